@@ -68,12 +68,18 @@ class VocabConfig:
     heldout_conversations: int = 1_000  # for the coverage report
     always_scripts: tuple[str, ...] = ("hangul",)
     comparison_sizes: tuple[int, ...] = (21_000, 45_000, 86_089)
+    reference_vocab: int = 262_144  # comparison sizes are fractions of this (Gemma 4's vocabulary)
     seed: int = 0
 
     def __post_init__(self):
         _require(self.size > 0, f"vocab.size must be > 0, but got {self.size}")
         _require(self.count_conversations > 0, f"vocab.count_conversations must be > 0, but got {self.count_conversations}")
-        _require(self.reserved_train >= 0 and self.reserved_eval >= 0, "vocab.reserved_* must be >= 0")
+        _require(self.reserved_train >= 0, f"vocab.reserved_train must be >= 0, but got {self.reserved_train}")
+        _require(self.reserved_eval >= 0, f"vocab.reserved_eval must be >= 0, but got {self.reserved_eval}")
+        _require(self.heldout_conversations >= 0, f"vocab.heldout_conversations must be >= 0, but got {self.heldout_conversations}")
+        _require(all(s > 0 for s in self.comparison_sizes), f"vocab.comparison_sizes must be > 0, but got {list(self.comparison_sizes)}")
+        _require(self.reference_vocab > 0, f"vocab.reference_vocab must be > 0, but got {self.reference_vocab}")
+        _require(self.seed >= 0, f"vocab.seed must be >= 0, but got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -86,9 +92,16 @@ class ConvertConfig:
     topk: int = 8
     use_keep_set: bool = True
     mask_negative: float = -50.0  # shares Softmax's 16-bit input range (platform notes)
+    topk_slice: int = 65_536  # the HTP returns TopK indices modulo 65,536: search slices this wide
+    parity: bool = True  # run the parity checks against transformers (CPU; minutes on a real E2B)
+    parity_ring_full: int = 32  # ring size for the "past the ring" parity check
 
     def __post_init__(self):
         _require(self.rows >= 1, f"convert.rows must be >= 1, but got {self.rows}")
+        _require(self.prefill_chunk >= 1, f"convert.prefill_chunk must be >= 1, but got {self.prefill_chunk}")
+        _require(self.topk >= 1, f"convert.topk must be >= 1, but got {self.topk}")
+        _require(1 <= self.topk_slice <= 65_536, f"convert.topk_slice must be in [1, 65536], but got {self.topk_slice}")
+        _require(self.parity_ring_full >= 2, f"convert.parity_ring_full must be >= 2, but got {self.parity_ring_full}")
         _require(self.ring_sliding <= self.ring_full, "convert.ring_sliding must be <= convert.ring_full")
         _require(self.mask_negative < 0, f"convert.mask_negative must be < 0, but got {self.mask_negative}")
 
@@ -126,9 +139,22 @@ class QatConfig:
     input_percentile: float = 99.99
     topk: int = 8
     seed: int = 0
+    max_prompt_tokens: int = 1_024  # prompts are cut to their last tokens (the phone's prefill limit)
+    calibration_sequences: int = 8  # train captures for the 16-bit activation encodings
+    mask_negative: float = -50.0  # the step graph's additive mask (shares Softmax's 16-bit range)
 
     def __post_init__(self):
         _require(self.steps >= 0, f"qat.steps must be >= 0, but got {self.steps}")
+        _require(self.grad_accumulation >= 1, f"qat.grad_accumulation must be >= 1, but got {self.grad_accumulation}")
+        _require(self.batch_sequences == 1, f"qat.batch_sequences must be 1 (one sequence per micro-batch), but got {self.batch_sequences}")
+        _require(self.window >= 1, f"qat.window must be >= 1, but got {self.window}")
+        _require(self.topk >= 1, f"qat.topk must be >= 1, but got {self.topk}")
+        _require(50.0 < self.input_percentile <= 100.0, f"qat.input_percentile must be in (50, 100], but got {self.input_percentile}")
+        _require(self.mask_negative < 0, f"qat.mask_negative must be < 0, but got {self.mask_negative}")
+        _require(self.max_new_tokens_train >= 1, f"qat.max_new_tokens_train must be >= 1, but got {self.max_new_tokens_train}")
+        _require(self.max_new_tokens_eval >= 1, f"qat.max_new_tokens_eval must be >= 1, but got {self.max_new_tokens_eval}")
+        _require(self.max_prompt_tokens >= 1, f"qat.max_prompt_tokens must be >= 1, but got {self.max_prompt_tokens}")
+        _require(self.calibration_sequences >= 1, f"qat.calibration_sequences must be >= 1, but got {self.calibration_sequences}")
         _require(self.lr > 0, f"qat.lr must be > 0, but got {self.lr}")
         _require(0 < self.clip_ratio_min <= self.clip_ratio_max <= 1.0,
                  f"qat.clip_ratio_min..max must satisfy 0 < min <= max <= 1, but got {self.clip_ratio_min}..{self.clip_ratio_max}")
@@ -157,9 +183,23 @@ class CheckConfig:
     slm_passes: int = 1
     epsilon: float = 0.005
     seed: int = 0
+    slm_topk: int = 8  # SLM children per expanded node (the tree graph's top-k)
+    specedge_passes: int = 4  # the SLM-only baseline's sequential passes
+    # The SLM Drafter's rings and prefill limit are convert's (ring_full, ring_sliding,
+    # max_prompt), the MTP Drafter's window and h_t capture point qat's (window, capture_point):
+    # the check stage passes those sections' values, so graphs and runtime share one number.
+    wire_bits: Literal[0, 8] = 8  # hand-off on the wire: 8-bit rows (0: float, no quantization)
+    threads: int = 0  # torch CPU threads for the check (0: torch's default)
 
     def __post_init__(self):
         _require(0 < self.rate < 1, f"check.rate must be in (0, 1), but got {self.rate}")
+        _require(self.budget >= 1, f"check.budget must be >= 1, but got {self.budget}")
+        _require(self.chain_depth >= 0, f"check.chain_depth must be >= 0, but got {self.chain_depth}")
+        _require(self.slm_topk >= 1, f"check.slm_topk must be >= 1, but got {self.slm_topk}")
+        _require(self.specedge_passes >= 1, f"check.specedge_passes must be >= 1, but got {self.specedge_passes}")
+        _require(self.threads >= 0, f"check.threads must be >= 0, but got {self.threads}")
+        _require(self.prompts >= 1 and self.max_new_tokens >= 1,
+                 f"check.prompts and check.max_new_tokens must be >= 1, but got {self.prompts} and {self.max_new_tokens}")
         _require(0 < self.epsilon <= 1, f"check.epsilon must be in (0, 1], but got {self.epsilon}")
         _require(self.temperature >= 0, f"check.temperature must be >= 0, but got {self.temperature}")
 

@@ -23,6 +23,10 @@ from hyco.recipe import STAGE_ORDER, Recipe
 
 STAGES: dict[str, str] = {
     "fixtures": "hyco.fixtures.stage",
+    "vocab": "hyco.vocab.stage",
+    "convert": "hyco.convert.stage",
+    "qat": "hyco.qat.stage",
+    "check": "hyco.runtime_check.stage",
 }
 
 

@@ -1,0 +1,330 @@
+"""The convert stage: the E2B QAT checkpoint -> tree.onnx, prefill.onnx, luts/, rope.json,
+io_spec.json, encodings.json, bitexact.json, parity.json, report.json, summary.md.
+
+`convert(checkpoint=..., out=..., keep_set=..., config=...)` is the whole stage as a
+keyword-only function; the pipeline (`inputs`/`build`) and the CLI (`convert/cli.py`) wrap it.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyco.artifacts import markdown_table, peak_rss_mb, toolchain_versions, write_json
+from hyco.errors import HycoError
+from hyco.io_spec import write_io_spec
+from hyco.recipe import ConvertConfig, Recipe, to_dict
+
+GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
+
+
+def keep_ids_for(keep_set: Path | None, tokenizer: Path | None, vocab_size: int, where: Path) -> np.ndarray | None:
+    """Keep-set token ids, checked against the checkpoint's tokenizer; None = whole vocabulary."""
+    if keep_set is None:
+        return None
+    from hyco.vocab.keepset import load_keep_set
+
+    ks = load_keep_set(keep_set, tokenizer=tokenizer)
+    ids = np.asarray(ks.token_ids, dtype=np.int64)
+    if len(ids) and ids[-1] >= vocab_size:
+        raise HycoError(f"{keep_set}: keep set ids reach {ids[-1]}, but {where} has a {vocab_size}-token vocabulary")
+    return ids
+
+
+def rope_json(text_model, config, windows: dict[str, int]) -> dict[str, Any]:
+    """What the host needs for cos/sin: transformers' own inverse frequencies per layer type."""
+    out = {"layer_types": {}, "windows": windows,
+           "note": "cos/sin = cos/sin(cat(p * inv_freq, p * inv_freq)) in float32; proportional RoPE's "
+                   "unrotated dims have inv_freq 0 (cos 1, sin 0)"}
+    for layer_type in sorted(set(config.layer_types)):
+        params = dict(config.rope_parameters[layer_type])
+        inv_freq = getattr(text_model.rotary_emb, f"{layer_type}_inv_freq").float().numpy()
+        out["layer_types"][layer_type] = {"inv_freq": [float(v) for v in inv_freq], "head_dim": 2 * len(inv_freq),
+                                          "attention_scaling": getattr(text_model.rotary_emb, f"{layer_type}_attention_scaling"),
+                                          **params}
+    return out
+
+
+def encodings(static, kv_scales: dict[str, float]) -> dict[str, Any]:
+    from hyco.convert.export_onnx import int_linears
+
+    linears = {}
+    for init, m in int_linears(static).items():
+        linears[m.source] = {"onnx_initializer": init, "bits": m.bits, "container": "INT4" if m.bits <= 4 else "INT8",
+                             "shape": list(m.ints.shape), "srq_input_scale": m.input_scale,
+                             "srq_output_scale": m.output_scale}
+    return {"version": 1, "weights": linears, "kv_cache_scales": kv_scales,
+            "note": "bits is the checkpoint's width; 2-bit weights travel in INT4 containers (HTP computes "
+                    "wrong numbers on ONNX INT2). SRQ scales are 8-bit symmetric (0 = off)."}
+
+
+def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict[str, Any]:
+    """Per linear: do the graph's ints and scales equal the checkpoint's? Read back from the
+    written ONNX (one tensor at a time) and from the checkpoint's safetensors, unpacked with
+    the numpy reader in host.py (independent of the exporter and of transformers)."""
+    import onnx
+    from hyco.convert.export_onnx import unpack_int4
+    from hyco.convert.host import unpack_ints
+    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor
+    from safetensors import safe_open
+
+    model = onnx.load(str(out / graph), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    rows = {}
+    for source, e in sorted(enc["weights"].items()):
+        ints_t, scale_t = inits[e["onnx_initializer"]], inits[e["onnx_initializer"][:-len("ints")] + "scale"]
+        for t in (ints_t, scale_t):
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                load_external_data_for_tensor(t, str(out))
+        shape = tuple(ints_t.dims)
+        if ints_t.data_type == onnx.TensorProto.INT4:
+            graph_ints = unpack_int4(ints_t.raw_data, int(np.prod(shape))).reshape(shape)
+        else:
+            graph_ints = numpy_helper.to_array(ints_t)
+        graph_scale = numpy_helper.to_array(scale_t)
+        with safe_open(str(ckpt.tensors[f"{source}.weight"][2]), framework="numpy") as f:
+            ck_ints = unpack_ints(f.get_tensor(f"{source}.weight"), e["bits"], shape[1])
+        with safe_open(str(ckpt.tensors[f"{source}.weight_scale"][2]), framework="numpy") as f:
+            ck_scale = f.get_tensor(f"{source}.weight_scale").reshape(-1)
+        if source == "lm_head" and keep_ids is not None:
+            ck_ints, ck_scale = ck_ints[keep_ids], ck_scale[keep_ids]
+        rows[source] = {"bits": e["bits"], "container": onnx.TensorProto.DataType.Name(ints_t.data_type),
+                        "shape": list(shape),
+                        "ints_equal": bool(ck_ints.shape == graph_ints.shape and np.array_equal(ck_ints, graph_ints)),
+                        "scales_equal": bool(ck_scale.shape == graph_scale.shape
+                                             and np.array_equal(ck_scale.view(np.uint32), graph_scale.view(np.uint32)))}
+    return rows
+
+
+def export_all(static, config: ConvertConfig, raw: Path) -> list:
+    """Raw exports of the tree and prefill graphs into `raw`; `finalize_all` writes them."""
+    from hyco.convert.export_onnx import export_raw
+
+    return [export_raw(static, rows, raw / key, GRAPHS[key])
+            for key, rows in (("tree", config.rows), ("prefill", config.prefill_chunk))]
+
+
+def finalize_all(raw: Path, out: Path, bits: dict[str, int]) -> dict[str, Any]:
+    from hyco.convert.export_onnx import finalize
+
+    sizes = {}
+    for key, name in GRAPHS.items():
+        start = time.perf_counter()
+        finalize(raw / key / name, out / name, bits)
+        import onnx
+
+        nodes = len(onnx.load(str(out / name), load_external_data=False).graph.node)
+        sizes[name] = {"nodes": nodes, "onnx_bytes": (out / name).stat().st_size,
+                       "data_bytes": (out / (name + ".data")).stat().st_size,
+                       "finalize_s": round(time.perf_counter() - start, 2)}
+    return sizes
+
+
+def run_parity(ckpt, keep_ids, config: ConvertConfig, out: Path, parity_graphs: Path, rope) -> dict[str, Any]:
+    import torch
+    from hyco.convert.load import load_model
+
+    model, text, _ = load_model(ckpt)
+    model.set_attn_implementation("eager")
+    # The reference runs are short sequences: one thread avoids spin-waiting on a busy CPU
+    # (a tiny forward took 1.8 s with 2 contended threads, 55 ms with one).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _parity_checks(model, text, keep_ids, config, out, parity_graphs, rope)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _parity_checks(model, text, keep_ids, config: ConvertConfig, out: Path, parity_graphs: Path, rope) -> dict[str, Any]:
+    from hyco.convert.parity import GraphRunner, check_chain, check_prompt_window, check_ring, check_tree
+
+    from hyco.io_spec import read_io_spec
+
+    vocab = text.config.vocab_size
+    keep = np.arange(vocab) if keep_ids is None else keep_ids
+    rng = np.random.default_rng(0)
+    pick = lambda n: keep[rng.integers(0, len(keep), n)].tolist()
+    specs = read_io_spec(out / "io_spec.json")
+    prompt_len = config.prefill_chunk + max(1, config.prefill_chunk // 2)  # two chunks, the last one partial
+    checks = {}
+    runner = GraphRunner(out, specs, out / "luts", rope)
+    checks["prefill_chain"] = check_chain(runner, model, keep, pick(prompt_len), new_tokens=6)
+    runner = GraphRunner(out, specs, out / "luts", rope)
+    parents = random_tree(config.rows, rng)
+    checks["tree"] = check_tree(runner, model, keep, pick(prompt_len), pick(len(parents)), parents)
+    ring_specs = read_io_spec(parity_graphs / "io_spec.json")
+    runner = GraphRunner(parity_graphs, ring_specs, out / "luts", rope)
+    ring_full = ring_specs["tree.onnx"].meta["windows"]["full_attention"]
+    checks["past_ring"] = check_ring(runner, model, keep, pick(2 * ring_full + 3), pick(4))
+    # The phone prefills at most max_prompt = ring_full tokens: a longer prompt keeps its last ones
+    runner = GraphRunner(parity_graphs, ring_specs, out / "luts", rope)
+    checks["prompt_past_the_ring"] = check_prompt_window(runner, model, keep, pick(2 * ring_full + 5),
+                                                         max_prompt=ring_full, new_tokens=4)
+    return {"backend": "onnxruntime CPU, graph optimizations off", "reference": "transformers (eager attention, float32)",
+            "checks": checks, "passed": all(c["passed"] for c in checks.values())}
+
+
+def random_tree(rows: int, rng) -> list[int]:
+    """A branching tree over `rows` nodes: each node's parent among the earlier ones, biased
+    to recent nodes so depth grows (root = -1)."""
+    parents = [-1]
+    for i in range(1, rows):
+        parents.append(int(max(0, i - 1 - rng.integers(0, 3))) if i > 1 else 0)
+    return parents
+
+
+def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Path | None = None,
+            tokenizer: Path | None = None) -> dict[str, Any]:
+    """Write the stage's artifacts into `out`; return a short summary for the manifest."""
+    import torch
+    from hyco.convert.export_onnx import weight_bits
+    from hyco.convert.host import Rope
+    from hyco.convert.load import completeness, kv_cache_scales, load_model, read_checkpoint, text_config
+    from hyco.convert.luts import write_luts
+    from hyco.convert.rewrites import build_static_model, effective_windows
+
+    start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    ckpt = read_checkpoint(checkpoint)
+    load_report = completeness(ckpt)
+    tc = text_config(ckpt.folder)
+    keep_ids = keep_ids_for(keep_set, tokenizer or ckpt.folder, tc.vocab_size, ckpt.folder) if config.use_keep_set else None
+    luts = write_luts(ckpt, tc, out / "luts")
+    kv_scales = kv_cache_scales(ckpt, load_report["kv_cache_scales"])
+
+    model, text, lm_head = load_model(ckpt)
+    windows = effective_windows(tc, config.ring_full, config.ring_sliding)
+    rope = rope_json(text, tc, windows)
+    write_json(out / "rope.json", rope)
+    static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids,
+                                ring_full=config.ring_full, ring_sliding=config.ring_sliding, topk=config.topk,
+                                mask_negative=config.mask_negative, topk_slice=config.topk_slice)
+    del model, text, lm_head  # the static module now holds the only copy of the weights
+    gc.collect()
+    with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
+        tmp = Path(tmp)
+        start_export = time.perf_counter()
+        specs = export_all(static, config, tmp / "graphs")
+        for spec in specs:
+            spec.meta.update({"max_prompt": config.max_prompt,
+                              "keep_set": str(keep_set) if keep_ids is not None else None})
+        if config.parity:
+            # Same weights, rings shrunk below the parity context, for the "past the ring" check.
+            from hyco.convert.static_model import RingShape
+
+            ring_full = config.parity_ring_full
+            ring_sliding = max(1, ring_full // 2)
+            static.rings = RingShape(ring_full, ring_sliding, effective_windows(tc, ring_full, ring_sliding),
+                                     config.mask_negative)
+            small = ConvertConfig(rows=config.rows, prefill_chunk=min(config.prefill_chunk, ring_sliding))
+            ring_specs = export_all(static, small, tmp / "ring_raw")
+        bits, enc = weight_bits(static), encodings(static, kv_scales)
+        del static  # the graphs are rewritten one at a time, without the module alive
+        gc.collect()
+        sizes = finalize_all(tmp / "graphs", out, bits)
+        for spec in specs:
+            sizes[spec.graph]["rows"] = spec.meta["rows"]
+        export_s = round(time.perf_counter() - start_export, 2)
+        write_io_spec(out / "io_spec.json", specs)
+        write_json(out / "encodings.json", enc)
+        per_graph = {g: bitexact(out, g, enc, ckpt, keep_ids) for g in GRAPHS.values()}
+        all_equal = all(r["ints_equal"] and r["scales_equal"] for g in per_graph.values() for r in g.values())
+        write_json(out / "bitexact.json", {"all_equal": all_equal, "graphs": per_graph})
+        parity = None
+        if config.parity:
+            finalize_all(tmp / "ring_raw", tmp / "ring", bits)
+            write_io_spec(tmp / "ring" / "io_spec.json", ring_specs)
+            parity = run_parity(ckpt, keep_ids, config, out, tmp / "ring", Rope.from_json(rope))
+            write_json(out / "parity.json", parity)
+            plot_parity(parity, out / "parity.png")
+
+    report = {"checkpoint": str(checkpoint), "layout": load_report["layout"], "load": load_report,
+              "export_s": export_s,
+              "keep_set": {"path": str(keep_set) if keep_ids is not None else None,
+                           "size": int(len(keep_ids)) if keep_ids is not None else tc.vocab_size},
+              "luts": luts, "graphs": sizes, "bitexact_all_equal": all_equal,
+              "parity_passed": None if parity is None else parity["passed"],
+              "windows": windows, "wall_s": round(time.perf_counter() - start, 2), "peak_rss_mb": round(peak_rss_mb(), 1),
+              "toolchain": toolchain_versions()}
+    write_json(out / "report.json", report)
+    (out / "summary.md").write_text(summary_md(report, parity))
+    return {"bitexact_all_equal": all_equal, "parity_passed": report["parity_passed"],
+            "tree_rows": config.rows, "prefill_rows": config.prefill_chunk, "keep_size": report["keep_set"]["size"],
+            "extra_tensors": len(load_report["extra"])}
+
+
+def plot_parity(parity: dict[str, Any], path: Path) -> None:
+    """Per-check max abs logit diff vs transformers per position (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for name, c in parity["checks"].items():
+        ax.plot(np.maximum(np.asarray(c["per_position_abs_diff"]), 1e-9), marker=".", lw=0.8, label=name)
+    ax.axhline(parity["checks"]["tree"]["tolerance"], color="k", ls="--", lw=0.8, label="tolerance")
+    ax.set_yscale("log")
+    ax.set_xlabel("position compared")
+    ax.set_ylabel("max |logit diff|")
+    ax.set_title("graph (onnxruntime CPU) vs transformers")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_md(report: dict[str, Any], parity: dict[str, Any] | None) -> str:
+    md = f"# convert: `{report['checkpoint']}` ({report['layout']})\n\n"
+    md += (f"Keep set: {report['keep_set']['size']} tokens. Bit-exact integer weights: "
+           f"{'all equal' if report['bitexact_all_equal'] else 'MISMATCH (see bitexact.json)'}. "
+           f"Wall {report['wall_s']} s, peak RSS {report['peak_rss_mb']:.0f} MiB.\n\n")
+    md += markdown_table([{"graph": g, **s} for g, s in report["graphs"].items()],
+                         ["graph", "rows", "nodes", "onnx_bytes", "data_bytes", "finalize_s"])
+    if report["load"]["extra"]:
+        md += f"\nExtra checkpoint tensors not used by the graphs ({len(report['load']['extra'])}): " \
+              + ", ".join(f"`{n}`" for n in report["load"]["extra"][:10]) + "\n"
+    if parity is not None:
+        md += "\n## Parity vs transformers (onnxruntime CPU, optimizations off)\n\n"
+        md += markdown_table([{"check": k, **v} for k, v in parity["checks"].items()],
+                             ["check", "positions", "max_abs_diff", "median_abs_diff", "positions_over_tolerance",
+                              "argmax_agreement", "passed"])
+        md += ("\nTolerance 1e-4 per position; a few positions may move by one SRQ rounding step (8-bit "
+               "activation rounding flips when onnxruntime and torch sum in different orders), bounded by "
+               "0.5 on at most 10% of positions; greedy argmax must agree everywhere. See parity.png.\n")
+    return md
+
+
+# --- pipeline hooks ------------------------------------------------------------------------------
+
+
+def section(recipe: Recipe) -> dict[str, Any]:
+    return {"convert": to_dict(recipe.convert)}
+
+
+def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
+    slm = recipe.path(recipe.models.slm, run_dir)
+    if slm is None:
+        raise HycoError("models.slm must name the E2B QAT checkpoint folder for the convert stage, but got null")
+    paths = {"checkpoint": slm}
+    if recipe.convert.use_keep_set and "vocab" in recipe.stages:
+        paths["keep_set"] = Path(run_dir) / "vocab" / "keep_set.json"
+    tokenizer = recipe.path(recipe.models.tokenizer, run_dir)
+    if tokenizer is not None:
+        paths["tokenizer"] = tokenizer
+    return paths
+
+
+def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
+    paths = inputs(recipe, run_dir)
+    return convert(checkpoint=paths["checkpoint"], out=out, config=recipe.convert,
+                   keep_set=paths.get("keep_set"), tokenizer=paths.get("tokenizer"))

@@ -1,0 +1,341 @@
+"""The static NPU graph: one small torch module with only fixed-shape inputs.
+
+Inputs (all float32, `rows` = 33 for the tree pass or the prefill chunk):
+  embeds [rows, H]                  token embedding rows, looked up on the host (luts/)
+  per_layer_embeds [rows, L, P]     per-layer embedding rows, looked up on the host
+  cos_<type>, sin_<type> [rows, D]  rotary tables per layer type, built on the host (rope.json)
+  mask_<type> [rows, slots + rows]  additive mask over [ring slots, new rows], built on the host
+  k_ring_<i>, v_ring_<i> [kv, slots, D]  the ring of each KV-owning layer i (keys already rotated)
+Outputs:
+  topk_logprobs, topk_indices [rows, k]   log-probabilities and keep-set indices of the top k
+  logits [rows, K]                        softcapped keep-set logits (parity; may be ignored)
+  new_k_<i>, new_v_<i> [kv, rows, D]      this pass's rotated keys and values per owning layer
+
+Everything here mirrors transformers' Gemma 4 text forward (modeling_gemma4.py) with the NPU
+rewrites of rewrites.py applied; the module holds integer weights only (IntLinear).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hyco.convert.host import SHORT
+from torch import nn
+
+from hyco.io_spec import GraphSpec, TensorSpec
+
+# --- ops with an explicit ONNX form ---------------------------------------------------------
+
+
+class _DequantizePerChannel(torch.autograd.Function):
+    """ints [out, in] x scale [out] -> float weight. Exported as DequantizeLinear(axis=0) so the
+    integer weight stays an integer initializer (never folded to float)."""
+
+    @staticmethod
+    def forward(ctx, ints, scale):
+        return ints.to(torch.float32) * scale[:, None]
+
+    @staticmethod
+    def symbolic(g, ints, scale):
+        return g.op("DequantizeLinear", ints, scale, axis_i=0)
+
+
+class _StaticRangeQuantize(torch.autograd.Function):
+    """transformers' SRQ rounding (`apply_srq`, 8 bits): clamp(round(x / s), -128, 127) * s.
+    Exported as an int8 QuantizeLinear/DequantizeLinear pair, which is the same arithmetic
+    (round half to even, saturate) and what the NPU calls activation quantization."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        return torch.clamp(torch.round(x / scale), -128.0, 127.0) * scale
+
+    @staticmethod
+    def symbolic(g, x, scale):
+        zero = g.op("Constant", value_t=torch.tensor(0, dtype=torch.int8))
+        return g.op("DequantizeLinear", g.op("QuantizeLinear", x, scale, zero), scale, zero)
+
+
+# --- building blocks ------------------------------------------------------------------------------
+
+
+class IntLinear(nn.Module):
+    """A QuantizedLinear as an integer matmul: the checkpoint's ints and per-channel scales,
+    SRQ on input and output where the checkpoint calibrated them (scale 0 = off)."""
+
+    def __init__(self, ints: torch.Tensor, scale: torch.Tensor, bits: int, source: str,
+                 input_scale: float = 0.0, output_scale: float = 0.0):
+        super().__init__()
+        self.register_buffer("ints", ints.to(torch.int8).contiguous())  # [out, in]
+        self.register_buffer("scale", scale.to(torch.float32).reshape(-1).contiguous())  # [out]
+        self.bits, self.source = bits, source
+        self.input_scale, self.output_scale = float(input_scale), float(output_scale)
+        if self.input_scale:
+            self.register_buffer("srq_in", torch.tensor(self.input_scale, dtype=torch.float32))
+        if self.output_scale:
+            self.register_buffer("srq_out", torch.tensor(self.output_scale, dtype=torch.float32))
+
+    def forward(self, x):
+        if self.input_scale:
+            x = _StaticRangeQuantize.apply(x, self.srq_in)
+        y = F.linear(x, _DequantizePerChannel.apply(self.ints, self.scale))
+        if self.output_scale:
+            y = _StaticRangeQuantize.apply(y, self.srq_out)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """Gemma4RMSNorm decomposed for the HTP with 16-bit activations: x*x (no Pow), ReduceMean,
+    Add, Sqrt, Reciprocal, Mul (Reciprocal(Sqrt) is ~10x closer to the CPU than Div)."""
+
+    def __init__(self, weight: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = None if weight is None else nn.Parameter(weight.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x):
+        mean_square = torch.mean(x * x, dim=-1, keepdim=True) + self.eps
+        x = x * torch.reciprocal(torch.sqrt(mean_square))
+        return x if self.weight is None else x * self.weight
+
+
+def gelu_tanh(x):
+    """gelu_pytorch_tanh written out with Tanh (~8x closer on the HTP than the Gelu op)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
+
+
+def rotate(x, cos, sin):
+    """Rotary embedding with host tables; proportional RoPE has cos=1, sin=0 on its unrotated
+    dims, so one full-width rotate_half serves both layer types."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    index: int
+    layer_type: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv_owner: int  # index of the layer whose K/V this layer attends over (itself if it stores them)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LayerShape, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, v_norm):
+        super().__init__()
+        self.shape = shape
+        self.q_proj, self.o_proj, self.q_norm = q_proj, o_proj, q_norm
+        self.owns_kv = shape.kv_owner == shape.index
+        if self.owns_kv:
+            self.k_proj, self.v_proj, self.k_norm, self.v_norm = k_proj, v_proj, k_norm, v_norm
+
+    def forward(self, h, cos, sin, mask, kv):
+        """kv: dict layer -> (keys, values) [kv, slots + rows, D]; owners add theirs."""
+        s = self.shape
+        rows = h.shape[0]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = rotate(self.q_norm(self.q_proj(h).view(rows, s.heads, s.head_dim)), cos, sin)
+        new_kv = None
+        if self.owns_kv:
+            k = self.k_proj(h).view(rows, s.kv_heads, s.head_dim)
+            # attention_k_eq_v: full layers without v_proj reuse the projected keys as values
+            v = self.v_proj(h).view(rows, s.kv_heads, s.head_dim) if self.v_proj is not None else k
+            new_k = rotate(self.k_norm(k), cos, sin).transpose(0, 1)
+            new_v = self.v_norm(v).transpose(0, 1)
+            k_ring, v_ring = kv[s.index]
+            kv[s.index] = (torch.cat([k_ring, new_k], dim=1), torch.cat([v_ring, new_v], dim=1))
+            new_kv = (new_k, new_v)
+        keys, values = kv[s.kv_owner]
+        # Grouped-query attention without repeat_kv: the query heads that share a KV head
+        # are stacked along rows (transformers' head order: kv head j serves heads j*g..j*g+g-1).
+        group = s.heads // s.kv_heads
+        q = q.transpose(0, 1).reshape(s.kv_heads, group * rows, s.head_dim)
+        scores = torch.matmul(q, keys.transpose(1, 2))  # Gemma 4 attention scaling is 1.0
+        scores = scores.view(s.kv_heads, group, rows, -1) + mask
+        weights = torch.softmax(scores, dim=-1).view(s.kv_heads, group * rows, -1)
+        out = torch.matmul(weights, values).view(s.heads, rows, s.head_dim).transpose(0, 1)
+        return self.o_proj(out.reshape(rows, s.heads * s.head_dim)), new_kv
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_proj, up_proj, down_proj):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x):
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn, mlp, norms: dict[str, RMSNorm], layer_scalar: torch.Tensor,
+                 per_layer_gate=None, per_layer_projection=None):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.input_norm = norms["input_layernorm"]
+        self.post_attn_norm = norms["post_attention_layernorm"]
+        self.pre_ffn_norm = norms["pre_feedforward_layernorm"]
+        self.post_ffn_norm = norms["post_feedforward_layernorm"]
+        self.per_layer_gate, self.per_layer_projection = per_layer_gate, per_layer_projection
+        self.post_per_layer_norm = norms.get("post_per_layer_input_norm")
+        self.register_buffer("layer_scalar", layer_scalar.detach().float().reshape(1).clone())
+
+    def forward(self, h, per_layer_input, cos, sin, mask, kv):
+        attn_out, new_kv = self.attn(self.input_norm(h), cos, sin, mask, kv)
+        h = h + self.post_attn_norm(attn_out)
+        h = h + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(h)))
+        if self.per_layer_gate is not None:
+            gated = gelu_tanh(self.per_layer_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_norm(self.per_layer_projection(gated))
+        return h * self.layer_scalar, new_kv
+
+
+class SlicedTopK(nn.Module):
+    """TopK that never emits an index above 65,535: the HTP returns TopK indices modulo
+    65,536, so search slices of at most `slice_width`, add each slice's offset, and pick the
+    final k among the candidates (whose TopK indices stay < slices * k)."""
+
+    def __init__(self, k: int, slice_width: int = 65_536):
+        super().__init__()
+        self.k, self.slice_width = k, slice_width
+
+    def forward(self, x):
+        width = x.shape[-1]
+        if width <= self.slice_width:
+            return torch.topk(x, self.k, dim=-1)
+        values, indices = [], []
+        for start in range(0, width, self.slice_width):
+            part = x[:, start:start + self.slice_width]
+            v, i = torch.topk(part, min(self.k, part.shape[-1]), dim=-1)
+            values.append(v)
+            indices.append(i + start)
+        values, indices = torch.cat(values, dim=-1), torch.cat(indices, dim=-1)
+        top, pick = torch.topk(values, self.k, dim=-1)
+        return top, torch.gather(indices, -1, pick)
+
+
+class SoftcapHead(nn.Module):
+    """Keep-set output layer + final logit softcap + log-softmax + top-k.
+
+    The softcap's final multiply is by a vector, not a scalar constant: on the HTP a
+    LogSoftmax directly after a Mul by a scalar constant computes garbage."""
+
+    def __init__(self, norm: RMSNorm, head: IntLinear, softcap: float | None, topk: int, slice_width: int):
+        super().__init__()
+        self.norm, self.head, self.softcap = norm, head, softcap
+        if softcap is not None:
+            self.register_buffer("softcap_vector", torch.full((head.ints.shape[0],), float(softcap)))
+        self.topk = SlicedTopK(topk, slice_width)
+
+    def forward(self, h):
+        logits = self.head(self.norm(h))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap_vector
+        logprobs, indices = self.topk(torch.log_softmax(logits, dim=-1))
+        return logprobs, indices, logits
+
+
+@dataclass(frozen=True)
+class RingShape:
+    ring_full: int
+    ring_sliding: int
+    windows: dict  # layer type -> effective window
+    mask_negative: float
+
+
+class StaticGemma(nn.Module):
+    def __init__(self, embed_dim: int, layers: list[DecoderLayer], per_layer, output: SoftcapHead,
+                 rings: RingShape, per_layer_width: int):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.layers = nn.ModuleList(layers)
+        self.per_layer = per_layer  # PerLayerInputs or None
+        self.output = output
+        self.rings = rings
+        self.per_layer_width = per_layer_width
+        self.shapes = [layer.attn.shape for layer in layers]
+        self.owners = [s.index for s in self.shapes if s.kv_owner == s.index]
+        self.layer_types = sorted({s.layer_type for s in self.shapes}, reverse=True)  # sliding first
+
+    def slots(self, layer_type: str) -> int:
+        return self.rings.ring_full if layer_type == "full_attention" else self.rings.ring_sliding
+
+    def head_dim(self, layer_type: str) -> int:
+        return next(s.head_dim for s in self.shapes if s.layer_type == layer_type)
+
+    # -- one place for the graph's inputs and outputs -----------------------------------------
+
+    def io_spec(self, rows: int, graph: str) -> GraphSpec:
+        L, P, K, k = len(self.layers), self.per_layer_width, self.output.head.ints.shape[0], self.output.topk.k
+        inputs = [TensorSpec("embeds", (rows, self.embed_dim), "float32", "token embedding rows (luts/embed_tokens, scale included)")]
+        if self.per_layer is not None:
+            inputs.append(TensorSpec("per_layer_embeds", (rows, L, P), "float32",
+                                     "per-layer embedding rows (luts/embed_tokens_per_layer), reshaped [rows, layers, width]"))
+        for t in self.layer_types:
+            d, n = self.head_dim(t), SHORT[t]
+            inputs.append(TensorSpec(f"cos_{n}", (rows, d), "float32", f"rotary cos for {t} layers at each row's position (host.Rope)"))
+            inputs.append(TensorSpec(f"sin_{n}", (rows, d), "float32", f"rotary sin for {t} layers at each row's position (host.Rope)"))
+        for t in self.layer_types:
+            inputs.append(TensorSpec(f"mask_{SHORT[t]}", (rows, self.slots(t) + rows), "float32",
+                                     f"additive mask over [{t} ring slots, new rows]: 0 visible, {self.rings.mask_negative} hidden"))
+        for s in (self.shapes[i] for i in self.owners):
+            shape = (s.kv_heads, self.slots(s.layer_type), s.head_dim)
+            inputs.append(TensorSpec(f"k_ring_{s.index}", shape, "float32", f"layer {s.index} key ring (rotated keys)"))
+            inputs.append(TensorSpec(f"v_ring_{s.index}", shape, "float32", f"layer {s.index} value ring"))
+        outputs = [TensorSpec("topk_logprobs", (rows, k), "float32", "log-probabilities of the top k keep-set tokens"),
+                   TensorSpec("topk_indices", (rows, k), "int64", "keep-set indices of the top k (keep_to_vocab maps back)"),
+                   TensorSpec("logits", (rows, K), "float32", "softcapped keep-set logits (for parity)")]
+        for s in (self.shapes[i] for i in self.owners):
+            shape = (s.kv_heads, rows, s.head_dim)
+            outputs.append(TensorSpec(f"new_k_{s.index}", shape, "float32", f"layer {s.index} rotated keys of this pass's rows"))
+            outputs.append(TensorSpec(f"new_v_{s.index}", shape, "float32", f"layer {s.index} values of this pass's rows"))
+        rings = [{"layer": s.index, "layer_type": s.layer_type, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
+                  "slots": self.slots(s.layer_type)} for s in (self.shapes[i] for i in self.owners)]
+        meta = {"rows": rows, "num_layers": L, "keep_size": K, "topk": k, "rings": rings, "windows": dict(self.rings.windows),
+                "mask_negative": self.rings.mask_negative,
+                "kv_owner": {s.index: s.kv_owner for s in self.shapes}}
+        return GraphSpec(graph, tuple(inputs), tuple(outputs), meta)
+
+    def example_inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+        spec = self.io_spec(rows, "example")
+        return tuple(torch.zeros(t.shape, dtype=torch.float32) for t in spec.inputs)
+
+    def input_names(self, rows: int) -> list[str]:
+        return [t.name for t in self.io_spec(rows, "example").inputs]
+
+    def output_names(self, rows: int) -> list[str]:
+        return [t.name for t in self.io_spec(rows, "example").outputs]
+
+    def forward(self, *inputs):
+        named = dict(zip(self.input_names(inputs[0].shape[0]), inputs, strict=True))
+        h = named["embeds"]
+        per_layer = self.per_layer(h, named["per_layer_embeds"]) if self.per_layer is not None else None
+        kv = {i: (named[f"k_ring_{i}"], named[f"v_ring_{i}"]) for i in self.owners}
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            n = SHORT[layer.attn.shape.layer_type]
+            h, new = layer(h, per_layer[:, i, :] if per_layer is not None else None,
+                           named[f"cos_{n}"], named[f"sin_{n}"], named[f"mask_{n}"], kv)
+            if new is not None:
+                new_kv.extend(new)
+        logprobs, indices, logits = self.output(h)
+        return (logprobs, indices, logits, *new_kv)
+
+
+class PerLayerInputs(nn.Module):
+    """transformers' project_per_layer_inputs: (norm(proj(e) * H^-0.5) + ple) * 2^-0.5."""
+
+    def __init__(self, projection: IntLinear, norm: RMSNorm, layers: int, width: int, hidden: int):
+        super().__init__()
+        self.projection, self.norm = projection, norm
+        self.layers, self.width = layers, width
+        self.projection_scale = hidden**-0.5
+        self.input_scale = 2.0**-0.5
+
+    def forward(self, embeds, per_layer_embeds):
+        projected = self.projection(embeds) * self.projection_scale
+        projected = self.norm(projected.view(embeds.shape[0], self.layers, self.width))
+        return (projected + per_layer_embeds) * self.input_scale

@@ -1,0 +1,142 @@
+"""The float MTP drafting chain: the gemma4_assistant head drafting K tokens from a hand-off.
+
+`draft_chain` follows transformers' `SinglePositionMultiTokenCandidateGenerator` step for
+step: input cat(e(last token), h), position held at t + 1 for the whole burst, the verifier's
+shared K/V as the head's only context, the head's projected state fed back as the next h.
+`TeacherForcedHead` runs the same head over many drafting positions at once (one query per
+position, masks keep each query to the rows its hand-off would hold); it is the module that
+QuantSim wraps for training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hyco.handoff import StepInput, attention_masks
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [K] greedy drafted token ids (vocab ids)
+    topk_ids: torch.Tensor  # [K, topk] vocab ids, best first
+    topk_logprobs: torch.Tensor  # [K, topk]
+
+
+def _shared_kv(kv: dict[str, tuple[torch.Tensor, torch.Tensor]], device) -> dict:
+    return {name: (k[None].to(device), v[None].to(device)) for name, (k, v) in kv.items()}
+
+
+@torch.no_grad()
+def head_step(head: nn.Module, embed: torch.Tensor, hidden: torch.Tensor,
+              kv: dict[str, tuple[torch.Tensor, torch.Tensor]], position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of the HF head, exactly as transformers' candidate generator makes it.
+    Returns (logits [V], next hidden [Hb])."""
+    device = head.pre_projection.weight.device
+    dtype = head.pre_projection.weight.dtype
+    inputs_embeds = torch.cat([embed, hidden], dim=-1).reshape(1, 1, -1).to(device, dtype)
+    kv_len = next(iter(kv.values()))[0].shape[1]
+    out = head(
+        inputs_embeds=inputs_embeds,
+        attention_mask=torch.ones(1, kv_len, dtype=torch.long, device=device),
+        position_ids=torch.tensor([[position]], device=device),
+        shared_kv_states=_shared_kv(kv, device),
+        use_cache=False,
+    )
+    return out.logits[0, -1].float(), out.last_hidden_state[0, -1].float()
+
+
+@torch.no_grad()
+def draft_chain(head: nn.Module, embed_fn, start: StepInput, depth: int, topk: int = 8,
+                keep_ids: torch.Tensor | None = None) -> Draft:
+    """Draft `depth` tokens greedily; `embed_fn(ids)` is the verifier's scaled input embedding.
+
+    With `keep_ids` (sorted vocab ids), logits are restricted to the keep set as on the phone:
+    the argmax and top-k run in keep-index space and map back to vocab ids.
+    """
+    embed, hidden = start.embed, start.hidden
+    tokens, ids, logprobs = [], [], []
+    for _ in range(depth):
+        logits, hidden = head_step(head, embed, hidden, start.kv, start.position)
+        if keep_ids is not None:
+            logits = logits[keep_ids.to(logits.device)]
+        lp = torch.log_softmax(logits, dim=-1)
+        top_lp, top_idx = torch.topk(lp, k=min(topk, lp.shape[-1]))
+        top_vocab = keep_ids.to(top_idx.device)[top_idx] if keep_ids is not None else top_idx
+        token = top_vocab[0]
+        tokens.append(token)
+        ids.append(top_vocab)
+        logprobs.append(top_lp)
+        embed = embed_fn(token.reshape(1).to(start.embed.device))[0].float()
+    return Draft(torch.stack(tokens).cpu(), torch.stack(ids).cpu(), torch.stack(logprobs).cpu())
+
+
+def restricted_lm_head(head: nn.Module, keep_ids: torch.Tensor | None) -> nn.Linear:
+    """An untied copy of the head's output layer, cut to the keep set (rows in keep order)."""
+    weight = head.lm_head.weight.detach()
+    if keep_ids is not None:
+        weight = weight[keep_ids.to(weight.device)]
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return layer
+
+
+class TeacherForcedHead(nn.Module):
+    """The head over T drafting positions at once, taking plain tensors (QuantSim wraps this).
+
+    forward(inputs_embeds [1, T, 2Hb], position_ids [1, T], k_full, v_full, k_sliding,
+    v_sliding [1, kv_heads, N, d], mask_full, mask_sliding [1, 1, T, N])
+    -> (logits [1, T, V'] over the restricted output layer, next hidden [1, T, Hb]).
+    Submodule names follow the HF head (`model.layers.0.self_attn.q_proj`, ...).
+    """
+
+    def __init__(self, head: nn.Module, keep_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.pre_projection = head.pre_projection
+        self.model = head.model
+        self.post_projection = head.post_projection
+        self.lm_head = restricted_lm_head(head, keep_ids)
+        # Optional fixed-range fake quantizers on the inputs, named like the step graph's inputs
+        # (token_embed, hidden, k_full, ...): the student then sees the phone's input clipping.
+        self.input_qdq: nn.ModuleDict | None = None
+
+    def _qdq(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self.input_qdq is None or name not in self.input_qdq:
+            return x
+        return self.input_qdq[name](x).as_subclass(torch.Tensor)
+
+    def forward(self, inputs_embeds, position_ids, k_full, v_full, k_sliding, v_sliding, mask_full, mask_sliding):
+        if self.input_qdq is not None:
+            hb = inputs_embeds.shape[-1] // 2
+            inputs_embeds = torch.cat([self._qdq("token_embed", inputs_embeds[..., :hb]),
+                                       self._qdq("hidden", inputs_embeds[..., hb:])], dim=-1)
+            k_full, v_full = self._qdq("k_full", k_full), self._qdq("v_full", v_full)
+            k_sliding, v_sliding = self._qdq("k_sliding", k_sliding), self._qdq("v_sliding", v_sliding)
+        x = self.pre_projection(inputs_embeds)
+        out = self.model(
+            inputs_embeds=x,
+            attention_mask={"full_attention": mask_full, "sliding_attention": mask_sliding},
+            position_ids=position_ids,
+            shared_kv_states={"full_attention": (k_full, v_full), "sliding_attention": (k_sliding, v_sliding)},
+            use_cache=False,
+            logits_to_keep=None,  # an int makes the HF model slice multi-query inputs (and crash)
+        )
+        last = out.last_hidden_state
+        return self.lm_head(last), self.post_projection(last)
+
+
+def teacher_forced_inputs(embeds: torch.Tensor, hidden: torch.Tensor,
+                          kv: dict[str, tuple[torch.Tensor, torch.Tensor]], sliding_window: int,
+                          positions: torch.Tensor | None = None, negative: float = -1e9) -> tuple[torch.Tensor, ...]:
+    """Inputs of `TeacherForcedHead` for drafting positions t (default: all, 0..N-2) of one
+    sequence: query t is cat(e_{t+1}, h_t) at position t + 1 and sees K/V rows 0..t."""
+    n = embeds.shape[0]
+    t = torch.arange(n - 1) if positions is None else positions
+    queries = torch.cat([embeds[t + 1], hidden[t]], dim=-1)[None]
+    full, sliding = attention_masks(torch.arange(n).numpy(), (t + 1).numpy(), sliding_window, negative)
+    (kf, vf), (ks, vs) = kv["full_attention"], kv["sliding_attention"]
+    return (queries, (t + 1)[None], kf[None], vf[None], ks[None], vs[None],
+            torch.from_numpy(full)[None, None], torch.from_numpy(sliding)[None, None])

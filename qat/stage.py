@@ -1,0 +1,389 @@
+"""The qat stage: 4-bit KL QAT of the MTP head, W4/W8 PTQ baselines, the static MTP Drafter.
+
+`build_qat(verifier=..., assistant=..., tokenizer=..., vocab=..., config=..., out=...)` is the
+whole stage as a keyword-only function; the pipeline (`inputs`/`build`) and the CLI
+(`qat/cli.py`) wrap it. Flow: the verifier's greedy answers to vocab/'s reserved prompts ->
+teacher-forced captures (safetensors shards) -> QuantSim student (clip-searched 4-bit
+weights, 16-bit activations) -> W4 PTQ / W8 PTQ / W4 QAT agreement with the float head ->
+head_w4.safetensors, encodings.json, mtp_step.onnx (+ the float twin), embed_lut, io_spec.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hyco.artifacts import markdown_table, write_json
+from hyco.errors import HycoError
+from hyco.recipe import QatConfig, Recipe, to_dict
+
+CAPTURES = "captures"
+LINEAR_FORMAT = "int4 values stored in int8 [out, in], float32 scale [out] per output channel, symmetric"
+
+
+def load_model(path: Path, what: str, dtype: torch.dtype, device_map=None):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise HycoError(f"{what} checkpoint not found: {path / 'config.json'}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise HycoError(f"{path}: cannot load the {what} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+def check_pair(verifier, head, tokenizer, verifier_dir: Path, assistant_dir: Path) -> None:
+    v_cfg, h_cfg = verifier.config.get_text_config(), head.config
+    if type(head).__name__ != "Gemma4AssistantForCausalLM":
+        raise HycoError(f"{assistant_dir}: expected a gemma4_assistant head, but got {type(head).__name__}")
+    if h_cfg.backbone_hidden_size != v_cfg.hidden_size:
+        raise HycoError(f"{assistant_dir}: backbone_hidden_size {h_cfg.backbone_hidden_size} does not match the "
+                        f"verifier's hidden size {v_cfg.hidden_size} ({verifier_dir})")
+    if h_cfg.get_text_config().vocab_size != v_cfg.vocab_size or len(tokenizer) > v_cfg.vocab_size:
+        raise HycoError(f"{assistant_dir}: vocabulary {h_cfg.get_text_config().vocab_size} does not match the verifier's "
+                        f"{v_cfg.vocab_size} / the tokenizer's {len(tokenizer)}")
+
+
+def input_ranges(captures, teacher, sliding_window: int, percentile: float, device,
+                 sample: int = 200_000) -> dict[str, tuple[float, float]]:
+    """[p_(100-q), p_q] per step-graph input over the train captures. `hidden` also covers the
+    head's own next_hidden, which feeds the later steps of a burst."""
+    from hyco.qat.train import model_inputs
+
+    rng = np.random.default_rng(0)
+    pools: dict[str, list[np.ndarray]] = {n: [] for n in ("token_embed", "hidden", "k_full", "v_full", "k_sliding", "v_sliding")}
+
+    def add(name, x):
+        flat = x.detach().float().cpu().numpy().reshape(-1)
+        pools[name].append(flat if flat.size <= sample else rng.choice(flat, sample, replace=False))
+
+    for cap in captures:
+        add("token_embed", cap.embeds)
+        add("hidden", cap.hidden)
+        for short, layer in (("full", "full_attention"), ("sliding", "sliding_attention")):
+            add(f"k_{short}", cap.kv[layer][0])
+            add(f"v_{short}", cap.kv[layer][1])
+        with torch.no_grad():
+            add("hidden", teacher(*model_inputs(cap, sliding_window, device))[1])
+    out = {}
+    for name, parts in pools.items():
+        values = np.concatenate(parts)
+        out[name] = (float(np.percentile(values, 100.0 - percentile)), float(np.percentile(values, percentile)))
+    return out
+
+
+def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, config: QatConfig,
+              out: Path) -> dict[str, Any]:
+    from hyco.qat.answers import greedy_answers, write_answers
+    from hyco.qat.capture import CaptureSet, capture_answers
+    from hyco.qat.embed_lut import EMBED_LUT, write_embed_lut
+    from hyco.qat.evaluate import agreement
+    from hyco.qat.mtp import TeacherForcedHead
+    from hyco.qat.quantsim import (
+        aimet_config,
+        apply_clip_search,
+        attach_input_quantizers,
+        make_student,
+        recalibrate_activations,
+    )
+    from hyco.qat.train import model_inputs, train_student
+    from hyco.vocab.keepset import load_keep_set, load_prompts
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    out = Path(out)
+    torch.manual_seed(config.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # The verifier runs in BF16 where the device computes it natively; on this CPU fp32.
+    v_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tok_dir = Path(tokenizer)
+    if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
+        raise HycoError(f"tokenizer not found: {tok_dir / 'tokenizer.json'}")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    keep = load_keep_set(vocab, tok)
+    prompts = load_prompts(vocab)
+    if not any(p["split"] == "train" for p in prompts) or not any(p["split"] == "eval" for p in prompts):
+        raise HycoError(f"{vocab}/prompts.jsonl: needs reserved prompts of both splits (train and eval)")
+    ver = load_model(verifier, "verifier", v_dtype, "auto" if device.type == "cuda" else None)
+    head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
+    check_pair(ver, head, tok, Path(verifier), Path(assistant))
+    keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
+    sliding_window = head.config.get_text_config().sliding_window
+
+    # 1. answers and captures
+    answers = list(greedy_answers(ver, tok, prompts, max_prompt_tokens=config.max_prompt_tokens,
+                                  max_new_tokens={"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}))
+    write_answers(out / "answers.jsonl", iter(answers))
+    rows = capture_answers(ver, answers, out / CAPTURES, config.capture_point)
+    write_json(out / CAPTURES / "captures.json", {"capture_point": config.capture_point, "shards": rows})
+    train, evals = CaptureSet(out / CAPTURES, rows, "train"), CaptureSet(out / CAPTURES, rows, "eval")
+    if not len(train) or not len(evals):
+        raise HycoError("every train or every eval answer came back empty; nothing to train or evaluate on")
+    write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
+    kv_shapes = {layer: (k.shape[0], k.shape[-1]) for layer, (k, _) in train[0].kv.items()}
+
+    # 2. students: W8 PTQ, W4 PTQ (clip search only), W4 QAT
+    teacher = TeacherForcedHead(head, keep_ids).eval()
+    cfg_path = aimet_config(out / "aimet_config.json")
+    example = model_inputs(train[0], sliding_window, device)
+    calib = [train[i] for i in range(min(config.calibration_sequences, len(train)))]
+
+    def calibrated(bits: int):
+        sim = make_student(head, keep_ids, example, weight_bits=bits, activation_bits=config.activation_bits,
+                           config_path=cfg_path)
+        sim.compute_encodings(lambda m, _: [m(*model_inputs(c, sliding_window, device)) for c in calib], None)
+        attach_input_quantizers(sim, ranges)
+        return sim
+
+    # Fixed input ranges first: every student sees the graph's input clipping from here on.
+    ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device)
+    results = {}
+    sim8 = calibrated(8)
+    results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device)
+    del sim8
+    sim = calibrated(config.weight_bits)
+    clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
+    results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device)
+    results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device)
+    train_start = time.perf_counter()
+    history = train_student(sim, teacher, train, config, sliding_window, device)
+    train_s = time.perf_counter() - train_start
+    recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device)) for c in calib])
+    results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device)
+    results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device)
+
+    # 3. the MTP Drafter artifacts
+    drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)
+    # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
+    # between the graph and the full student is the 16-bit grid, not range clipping.
+    parity = graph_parity(out, head, sim, keep_ids, calib[0], drafter["spec"], config)
+
+    report = {
+        "agreement": results,
+        "clip_ratio_mean": clip_ratios,
+        "training": {"steps": config.steps, "wall_s": round(train_s, 2),
+                     "s_per_step": round(train_s / max(config.steps, 1), 4), "device": device.type,
+                     "first_loss": history[0]["loss"] if history else None,
+                     "last_loss": history[-1]["loss"] if history else None},
+        "history": history,
+        "captures": {"train": len(train), "eval": len(evals), "capture_point": config.capture_point,
+                     "train_tokens": sum(r["tokens"] for r in train.rows), "eval_tokens": sum(r["tokens"] for r in evals.rows)},
+        "input_ranges": ranges,
+        "parity": parity,
+        "drafter": {k: v for k, v in drafter.items() if k != "spec"},
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
+    write_json(out / "report.json", report)
+    plot_loss(out / "loss.png", history)
+    plot_agreement(out / "agreement.png", results, config.weight_bits)
+    write_summary(out / "summary.md", report, config.weight_bits)
+    bits = config.weight_bits
+    return {"top1": {k: round(v["top1_agreement"], 4) for k, v in results.items()},
+            "qat_minus_ptq_kl": round(results[f"w{bits}_qat"]["kl"] - results[f"w{bits}_ptq"]["kl"], 6),
+            "s_per_step": report["training"]["s_per_step"], "parity": parity}
+
+
+def write_drafter(out: Path, head, teacher, sim, keep, kv_shapes, ranges, config: QatConfig) -> dict:
+    """head_w4.safetensors, encodings.json, mtp_step.float.onnx, mtp_step.onnx, io_spec.json."""
+    from hyco.qat.quantsim import integer_weights, quantized_linears
+    from hyco.qat.step_graph import (
+        MtpStep,
+        export_float,
+        fixed_input_ranges,
+        io_spec,
+        param_name,
+        quantize_graph,
+        rope_tables,
+        uint16_qparams,
+    )
+    from safetensors.torch import save_file
+
+    from hyco.io_spec import write_io_spec
+
+    linears = quantized_linears(sim)
+    ints = {name: integer_weights(layer) for name, layer in linears.items()}
+    tensors = {}
+    for name, (values, scale) in ints.items():
+        tensors[f"{name}.weight"] = values.contiguous()
+        tensors[f"{name}.weight_scale"] = scale.contiguous()
+    for name, p in head.named_parameters():
+        if "norm" in name:
+            tensors[name] = p.detach().float().cpu().contiguous()
+    for i, layer in enumerate(head.model.layers):
+        tensors[f"model.layers.{i}.layer_scalar"] = layer.layer_scalar.detach().float().cpu().contiguous()
+    tensors["keep_to_vocab"] = torch.as_tensor(keep.keep_to_vocab, dtype=torch.int32)
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "head_w4.safetensors"),
+              metadata={"bits": str(config.weight_bits), "format": LINEAR_FORMAT})
+
+    spec = io_spec(head, kv_shapes, config.window, keep.size, config.topk,
+                   {"rope": rope_tables(head), "mask_negative": config.mask_negative,
+                    "capture_point": config.capture_point, "weight_bits": config.weight_bits,
+                    "activation_bits": config.activation_bits, "float_graph": "mtp_step.float.onnx"})
+    # The float twin is the unquantized head (restricted output layer); the shipped graph swaps
+    # every weight for the trained student's integers.
+    teacher_linears = dict(teacher.named_modules())
+    step = MtpStep(head.cpu(), {n: teacher_linears[n].weight.detach().cpu() for n in linears}, config.topk).eval()
+    export_float(step, spec, out / "mtp_step.float.onnx")
+    int_np = {n: (v.cpu().numpy(), s.cpu().numpy()) for n, (v, s) in ints.items()}
+    ranges = {**ranges, **fixed_input_ranges(spec, config.mask_negative)}  # every float input gets QDQ
+    quantize_graph(out / "mtp_step.float.onnx", out / "mtp_step.onnx", int_np, ranges)
+    write_io_spec(out / "io_spec.json", [spec])
+
+    # encodings.json in AIMET's 1.0.0 layout: params named by their ONNX initializer, the
+    # 16-bit activation encodings by module output, the fixed input ranges by graph input.
+    params, acts = [], []
+    for name, layer in linears.items():
+        enc = layer.param_quantizers["weight"].get_encodings().to_qnn_encoding_dict("1.0.0")
+        params.append({**enc, "name": param_name(name)})
+    for name, module in sim.model.named_modules():
+        for i, q in enumerate(getattr(module, "output_quantizers", None) or []):
+            if q is not None and q.is_initialized():
+                acts.append({**q.get_encodings().to_qnn_encoding_dict("1.0.0"), "name": f"{name}:output{i}"})
+    captured = set(ranges) - set(fixed_input_ranges(spec, config.mask_negative))
+    for inp, (lo, hi) in ranges.items():
+        scale, zero = uint16_qparams(lo, hi)
+        acts.append({"name": inp, "bw": 16, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False,
+                     "scale": [scale], "offset": [-zero], "min": lo, "max": hi,
+                     "source": f"p{config.input_percentile} of the train captures" if inp in captured else "fixed by construction",
+                     **({"percentile": config.input_percentile} if inp in captured else {})})
+    head.to(next(iter(linears.values())).weight.device)
+    write_json(out / "encodings.json", {"version": "1.0.0", "param_encodings": params, "activation_encodings": acts,
+                                        "quantizer_args": {"param_bw": config.weight_bits, "activation_bw": config.activation_bits,
+                                                           "param_symmetric": True, "per_channel": True}})
+    return {"spec": spec, "linears": len(ints), "weight_bytes_int4": sum(v.numel() for v, _ in ints.values()) // 2}
+
+
+def graph_parity(out: Path, head, sim, keep_ids, cap, spec, config: QatConfig, positions: int = 8) -> dict:
+    """Float graph vs transformers' head and quantized graph vs QuantSim, on the last drafting
+    positions of `cap` (the ring holds the last `window` positions; the references get the same rows)."""
+    import onnxruntime as ort
+    from aimet_torch.utils import remove_activation_quantizers
+    from hyco.qat.mtp import head_step
+    from hyco.qat.quantsim import plain
+    from hyco.qat.step_graph import rope_rows, step_feeds
+
+    from hyco.handoff import StepInput
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # summation order as written
+    float_sess = ort.InferenceSession(str(out / "mtp_step.float.onnx"), so, providers=["CPUExecutionProvider"])
+    quant_sess = ort.InferenceSession(str(out / "mtp_step.onnx"), so, providers=["CPUExecutionProvider"])
+    ts = cap.drafting_positions[-positions:].tolist()
+    float_diff = quant_diff = weights_diff = 0.0
+    float_top1 = quant_top1 = weights_top1 = 0
+    device = head.pre_projection.weight.device
+    for t in ts:
+        lo = max(0, t + 1 - config.window)
+        kv = {layer: (k[:, lo:t + 1], v[:, lo:t + 1]) for layer, (k, v) in cap.kv.items()}
+        start = StepInput(cap.embeds[t + 1], cap.hidden[t], kv, t + 1)
+        # the ring starts at `lo`: shift positions so slots and masks match the references
+        feeds = step_feeds(StepInput(start.embed, start.hidden, kv, t + 1 - lo), start.embed.numpy(),
+                           start.hidden.numpy(), spec, spec.meta["rope"], config.mask_negative)
+        for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+            feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(spec.meta["rope"][layer], t + 1)
+        f_lp, f_ids, _ = float_sess.run(None, feeds)
+        logits, _ = head_step(head, start.embed, start.hidden, kv, t + 1)
+        ref = torch.log_softmax(logits[keep_ids.to(logits.device)], -1).cpu()
+        float_diff = max(float_diff, float(np.abs(f_lp[0] - ref[torch.from_numpy(f_ids[0])].numpy()).max()))
+        float_top1 += int(f_ids[0, 0] == int(ref.argmax()))
+        q_lp, q_ids, _ = quant_sess.run(None, feeds)
+        query = torch.cat([start.embed, start.hidden])[None, None].to(device)
+        args = (query, torch.tensor([[t + 1]], device=device),
+                *[torch.from_numpy(feeds[n])[None].to(device) for n in ("k_full", "v_full", "k_sliding", "v_sliding")],
+                torch.from_numpy(feeds["mask_full"])[None, None].to(device),
+                torch.from_numpy(feeds["mask_sliding"])[None, None].to(device))
+        with torch.no_grad():
+            s_lp = torch.log_softmax(plain(sim.model(*args)[0])[0, 0], -1).cpu()
+            with remove_activation_quantizers(sim.model):
+                w_lp = torch.log_softmax(plain(sim.model(*args)[0])[0, 0], -1).cpu()
+        picked = torch.from_numpy(q_ids[0])
+        quant_diff = max(quant_diff, float(np.abs(q_lp[0] - s_lp[picked].numpy()).max()))
+        weights_diff = max(weights_diff, float(np.abs(q_lp[0] - w_lp[picked].numpy()).max()))
+        quant_top1 += int(q_ids[0, 0] == int(s_lp.argmax()))
+        weights_top1 += int(q_ids[0, 0] == int(w_lp.argmax()))
+    n = len(ts)
+    return {"positions": n, "float_vs_transformers_max_abs_logprob": float_diff, "float_top1_match": float_top1 / n,
+            # the same INT4 weights with float activations: only the graph's uint16 input QDQ differs
+            "quant_vs_quantsim_weights_max_abs_logprob": weights_diff, "quant_vs_quantsim_weights_top1_match": weights_top1 / n,
+            # the full student: 16-bit activation encodings (calibrated ranges, clipping outside)
+            "quant_vs_quantsim_max_abs_logprob": quant_diff, "quant_top1_match": quant_top1 / n}
+
+
+def plot_loss(path: Path, history: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("KL(teacher || student)")
+    ax.set_title("W4 QAT of the MTP head: training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_agreement(path: Path, results: dict, bits: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"w{bits}_ptq", f"w{bits}_qat", "w8_ptq"]
+    labels = [f"W{bits} PTQ\n(clip search)", f"W{bits} QAT", "W8 PTQ"]
+    values = [100 * results[n]["top1_agreement"] for n in names]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    bars = ax.bar(labels, values, color=["#999999", "#3366cc", "#66aa66"])
+    for b, v in zip(bars, values, strict=True):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}%", ha="center", va="bottom")
+    ax.set_ylabel("top-1 agreement with the float head (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("MTP head on the evaluation captures")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_summary(path: Path, report: dict, bits: int) -> None:
+    rows = [{"model": k, "top1_agreement": v["top1_agreement"], "kl": v["kl"], "positions": v["positions"]}
+            for k, v in report["agreement"].items()]
+    tr, par = report["training"], report["parity"]
+    md = "# qat: the MTP head at 4-bit\n\n" + markdown_table(rows, ["model", "top1_agreement", "kl", "positions"])
+    md += (f"\nTraining: {tr['steps']} steps, {tr['s_per_step']} s/step on {tr['device']} "
+           f"(loss {tr['first_loss']} -> {tr['last_loss']}).\n\n"
+           f"Parity on {par['positions']} positions of a calibration sequence: float graph vs transformers max |d logprob| "
+           f"{par['float_vs_transformers_max_abs_logprob']:.2e}; quantized graph vs QuantSim with float activations "
+           f"{par['quant_vs_quantsim_weights_max_abs_logprob']:.2e}, vs the full 16-bit-activation QuantSim "
+           f"{par['quant_vs_quantsim_max_abs_logprob']:.2e} (top-1 match {par['quant_top1_match']:.2f}).\n\n"
+           "Files: head_w4.safetensors, encodings.json, mtp_step.onnx (INT4 weights, uint16 input QDQ), "
+           "mtp_step.float.onnx, embed_lut.safetensors, io_spec.json, answers.jsonl, captures/, loss.png, agreement.png.\n")
+    path.write_text(md)
+
+
+# --- pipeline hooks ------------------------------------------------------------------------------
+
+
+def section(recipe: Recipe) -> dict[str, Any]:
+    return {"qat": to_dict(recipe.qat)}
+
+
+def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
+    paths = {name: recipe.path(getattr(recipe.models, name), run_dir) for name in ("verifier", "assistant", "tokenizer")}
+    for name, p in paths.items():
+        if p is None:
+            raise HycoError(f"models.{name} must name a folder for the qat stage, but got null")
+    paths["vocab"] = Path(run_dir) / "vocab"
+    return paths
+
+
+def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
+    return build_qat(**inputs(recipe, run_dir), config=recipe.qat, out=out)

@@ -1,0 +1,288 @@
+"""`mtp_step.onnx`: one static MTP drafting step, HTP-legal by construction.
+
+The step reads the head's weights (HF names) and runs one query against a ring of `window`
+K/V rows per source layer. HTP rules it follows (platform notes): rotary as host cos/sin
+rows, RMSNorm as x * Reciprocal(Sqrt(mean(x*x) + eps)) (no Pow), GELU written with Tanh,
+additive masks with a small negative, LogSoftmax straight after the output MatMul (no scalar
+Mul before it; the assistant has no softcap), TopK over slices narrower than 65,536 with the
+slice offset added afterwards (HTP returns larger indices modulo 65,536).
+
+`quantize_graph` turns the float export into the shipped graph: every weight becomes an INT4
+initializer with a per-channel DequantizeLinear (opset 21), and the float inputs get uint16
+Quantize/Dequantize pairs at fixed ranges (the captures' 99.99th percentiles).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from hyco.handoff import StepInput, attention_masks
+from hyco.io_spec import GraphSpec, TensorSpec
+
+TOPK_SLICE = 65_535  # widest TopK input whose indices HTP returns intact
+OPSET = 21
+
+
+def linear_names(num_layers: int) -> list[str]:
+    """HF module names of the head's linears, in compute order (restricted lm_head last)."""
+    names = ["pre_projection"]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        names += [f"{p}.self_attn.q_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj",
+                  f"{p}.mlp.down_proj"]
+    return names + ["post_projection", "lm_head"]
+
+
+def param_name(module: str) -> str:
+    """ONNX initializer name of a linear's [in, out] weight."""
+    return "w__" + module.replace(".", "__")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x * torch.reciprocal(torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+    return x * weight if weight is not None else x
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class MtpStep(nn.Module):
+    """One drafting step over fixed-shape inputs (see `io_spec`); weights from `weights`
+    (HF module name -> [out, in] float) and the HF head for norms, shapes and types."""
+
+    def __init__(self, head: nn.Module, weights: dict[str, torch.Tensor], topk: int):
+        super().__init__()
+        text = head.config.get_text_config()
+        self.layer_types = list(text.layer_types)
+        self.heads = text.num_attention_heads
+        self.eps = text.rms_norm_eps
+        self.topk = topk
+        self.groups = [layer.self_attn.num_key_value_groups for layer in head.model.layers]
+        self.head_dims = [layer.self_attn.head_dim for layer in head.model.layers]
+        for name in linear_names(len(self.layer_types)):
+            # [in, out]: the graph multiplies x @ W, and per-channel scales run along axis 1.
+            self.register_buffer(param_name(name), weights[name].detach().float().t().contiguous())
+        norms = {n: p.detach().float().clone() for n, p in head.named_parameters() if "norm" in n}
+        self.norm_names = {n: "n__" + n.replace(".", "__") for n in norms}
+        for n, p in norms.items():
+            self.register_buffer(self.norm_names[n], p)
+        for i, layer in enumerate(head.model.layers):
+            self.register_buffer(f"layer_scalar__{i}", layer.layer_scalar.detach().float().clone())
+        self.vocab = weights["lm_head"].shape[0]
+
+    def w(self, module: str) -> torch.Tensor:
+        return getattr(self, param_name(module))
+
+    def n(self, name: str) -> torch.Tensor:
+        return getattr(self, self.norm_names[name])
+
+    def forward(self, token_embed, hidden, k_full, v_full, k_sliding, v_sliding, mask_full, mask_sliding,
+                cos_full, sin_full, cos_sliding, sin_sliding):
+        kv = {"full_attention": (k_full, v_full, mask_full, cos_full, sin_full),
+              "sliding_attention": (k_sliding, v_sliding, mask_sliding, cos_sliding, sin_sliding)}
+        x = torch.cat([token_embed, hidden], dim=-1) @ self.w("pre_projection")  # [1, H]
+        for i, layer_type in enumerate(self.layer_types):
+            p = f"model.layers.{i}"
+            k, v, mask, cos, sin = kv[layer_type]
+            y = rms_norm(x, self.n(f"{p}.input_layernorm.weight"), self.eps)
+            q = (y @ self.w(f"{p}.self_attn.q_proj")).reshape(self.heads, self.head_dims[i])
+            q = rotate(rms_norm(q, self.n(f"{p}.self_attn.q_norm.weight"), self.eps), cos, sin)
+            # grouped-query attention: query heads [kv_heads, groups, d] against K [kv_heads, W, d]
+            q = q.reshape(k.shape[0], self.groups[i], self.head_dims[i])
+            scores = q @ k.transpose(1, 2) + mask  # scaling 1.0 (q and k are normed)
+            y = (torch.softmax(scores, dim=-1) @ v).reshape(1, -1) @ self.w(f"{p}.self_attn.o_proj")
+            x = x + rms_norm(y, self.n(f"{p}.post_attention_layernorm.weight"), self.eps)
+            y = rms_norm(x, self.n(f"{p}.pre_feedforward_layernorm.weight"), self.eps)
+            y = (gelu_tanh(y @ self.w(f"{p}.mlp.gate_proj")) * (y @ self.w(f"{p}.mlp.up_proj"))) @ self.w(f"{p}.mlp.down_proj")
+            x = x + rms_norm(y, self.n(f"{p}.post_feedforward_layernorm.weight"), self.eps)
+            x = x * getattr(self, f"layer_scalar__{i}")
+        x = rms_norm(x, self.n("model.norm.weight"), self.eps)
+        logprobs = torch.log_softmax(x @ self.w("lm_head"), dim=-1)  # [1, V']
+        top_lp, top_ids = sliced_topk(logprobs, self.topk)
+        return top_lp, top_ids, x @ self.w("post_projection")
+
+
+def sliced_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK over the last axis in slices of at most TOPK_SLICE columns, then over the
+    candidates, so no TopK ever emits an index above 65,535."""
+    width = x.shape[-1]
+    k = min(k, width)
+    values, indices = [], []
+    for start in range(0, width, TOPK_SLICE):
+        part = x[..., start:start + TOPK_SLICE]
+        v, i = torch.topk(part, min(k, part.shape[-1]), dim=-1)
+        values.append(v)
+        indices.append(i + start)
+    if len(values) == 1:
+        return values[0], indices[0]
+    v, pick = torch.topk(torch.cat(values, dim=-1), k, dim=-1)
+    return v, torch.gather(torch.cat(indices, dim=-1), -1, pick)
+
+
+# --- the fixed-shape interface -------------------------------------------------------------
+
+
+def io_spec(head: nn.Module, kv_shapes: dict[str, tuple[int, int]], window: int, vocab: int, topk: int,
+            meta: dict) -> GraphSpec:
+    """`kv_shapes`: layer type -> (kv_heads, head_dim) of the verifier's source layers."""
+    text = head.config.get_text_config()
+    hb = head.config.backbone_hidden_size
+    (hf, df), (hs, ds) = kv_shapes["full_attention"], kv_shapes["sliding_attention"]
+    f32 = "float32"
+    inputs = (
+        TensorSpec("token_embed", (1, hb), f32, "e(x): the verifier's scaled input embedding of the last token "
+                   "(hand-off for the first step, embed_lut row after)"),
+        TensorSpec("hidden", (1, hb), f32, "h: the verifier's h_t for the first step, then this graph's next_hidden"),
+        TensorSpec("k_full", (hf, window, df), f32, "ring of the verifier's last full-attention layer keys (rotary applied)"),
+        TensorSpec("v_full", (hf, window, df), f32, "ring of the verifier's last full-attention layer values"),
+        TensorSpec("k_sliding", (hs, window, ds), f32, "ring of the verifier's last sliding layer keys"),
+        TensorSpec("v_sliding", (hs, window, ds), f32, "ring of the verifier's last sliding layer values"),
+        TensorSpec("mask_full", (1, window), f32, "additive validity mask over ring slots (0 or mask_negative)"),
+        TensorSpec("mask_sliding", (1, window), f32, "additive mask: valid and within the sliding window"),
+        TensorSpec("cos_full", (1, df), f32, "rotary cos row at the burst's position (host: rope_rows)"),
+        TensorSpec("sin_full", (1, df), f32, "rotary sin row at the burst's position"),
+        TensorSpec("cos_sliding", (1, ds), f32, "rotary cos row, sliding layers"),
+        TensorSpec("sin_sliding", (1, ds), f32, "rotary sin row, sliding layers"),
+    )
+    outputs = (
+        TensorSpec("topk_logprobs", (1, topk), f32, "log-probabilities over the keep set, best first"),
+        TensorSpec("topk_ids", (1, topk), "int64", "keep indices (keep_to_vocab.npy maps to vocab ids)"),
+        TensorSpec("next_hidden", (1, hb), f32, "the head's projected state: `hidden` of the next step"),
+    )
+    return GraphSpec("mtp_step.onnx", inputs, outputs, {
+        "window": window, "keep_size": vocab, "topk": topk, "sliding_window": text.sliding_window, **meta})
+
+
+def rope_tables(head: nn.Module) -> dict[str, dict]:
+    """inv_freq and scaling per layer type, for the host's `rope_rows`."""
+    rot = head.model.rotary_emb
+    return {t: {"inv_freq": getattr(rot, f"{t}_inv_freq").float().tolist(),
+                "scaling": float(getattr(rot, f"{t}_attention_scaling"))}
+            for t in ("full_attention", "sliding_attention")}
+
+
+def rope_rows(table: dict, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin rows [1, head_dim] at `position`, as transformers' Gemma 4 rotary computes them."""
+    inv = np.asarray(table["inv_freq"], dtype=np.float32)
+    freqs = np.float32(position) * inv
+    emb = np.concatenate([freqs, freqs])[None]
+    return (np.cos(emb) * table["scaling"]).astype(np.float32), (np.sin(emb) * table["scaling"]).astype(np.float32)
+
+
+def step_feeds(start: StepInput, embed: np.ndarray, hidden: np.ndarray, spec: GraphSpec, ropes: dict,
+               negative: float) -> dict[str, np.ndarray]:
+    """Host side: the ring (position p in slot p % window, the last `window` positions),
+    masks and rotary rows for one step of a burst that started from `start`."""
+    window = spec.meta["window"]
+    n = next(iter(start.kv.values()))[0].shape[1]
+    positions = np.arange(max(0, n - window), n)
+    slots = positions % window
+    kv_positions = np.full(window, -1, dtype=np.int64)
+    kv_positions[slots] = positions
+    full, sliding = attention_masks(kv_positions, np.array([start.position]), spec.meta["sliding_window"], negative)
+    feeds = {"token_embed": np.asarray(embed, np.float32).reshape(1, -1),
+             "hidden": np.asarray(hidden, np.float32).reshape(1, -1), "mask_full": full, "mask_sliding": sliding}
+    for layer, (k_name, v_name) in {"full_attention": ("k_full", "v_full"),
+                                    "sliding_attention": ("k_sliding", "v_sliding")}.items():
+        for name, rows in zip((k_name, v_name), start.kv[layer], strict=True):
+            ring = np.zeros(spec.input(name).shape, np.float32)
+            ring[:, slots] = rows[:, positions].numpy()
+            feeds[name] = ring
+    for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+        feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(ropes[layer], start.position)
+    spec.check_feeds(feeds)
+    return feeds
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+def export_float(step: MtpStep, spec: GraphSpec, path: Path) -> Path:
+    import onnx
+
+    example = tuple(torch.from_numpy(t.zeros()) for t in spec.inputs)
+    torch.onnx.export(step, example, str(path), input_names=[t.name for t in spec.inputs],
+                      output_names=[t.name for t in spec.outputs], opset_version=OPSET, dynamo=False,
+                      do_constant_folding=False)  # folding would turn the weights' graph back into floats
+    onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    return path
+
+
+def uint16_qparams(lo: float, hi: float) -> tuple[float, int]:
+    """Asymmetric uint16 scale / zero point for [lo, hi] (widened to hold 0)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    scale = max(hi - lo, 1e-8) / 65535.0
+    return scale, int(np.clip(round(-lo / scale), 0, 65535))
+
+
+def pack_int4(values: np.ndarray) -> bytes:
+    """ONNX INT4 raw data: two values per byte, the first in the low nibble (row-major)."""
+    v = (np.asarray(values, dtype=np.int8).reshape(-1) & 0x0F).astype(np.uint8)
+    if v.size % 2:
+        v = np.append(v, np.uint8(0))
+    return (v[0::2] | (v[1::2] << 4)).tobytes()
+
+
+def fixed_input_ranges(spec: GraphSpec, negative: float) -> dict[str, tuple[float, float]]:
+    """Ranges the step graph's other inputs have by construction: masks hold 0 or `negative`
+    (both exact on the uint16 grid), rotary rows lie in [-scaling, scaling]."""
+    ranges = {"mask_full": (negative, 0.0), "mask_sliding": (negative, 0.0)}
+    for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+        scaling = float(spec.meta["rope"][layer]["scaling"])
+        ranges[f"cos_{short}"] = ranges[f"sin_{short}"] = (-scaling, scaling)
+    return ranges
+
+
+def quantize_graph(float_path: Path, out_path: Path, int_weights: dict[str, tuple[np.ndarray, np.ndarray]],
+                   input_ranges: dict[str, tuple[float, float]]) -> Path:
+    """INT4 per-channel weights (`int_weights`: module -> (int8 values [out, in], scale [out]))
+    and uint16 QDQ on the inputs named in `input_ranges`."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(float_path))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    nodes = []
+    for module, (values, scale) in int_weights.items():
+        name = param_name(module)
+        if name not in inits:
+            raise KeyError(f"{float_path}: no initializer {name!r} for {module}")
+        graph.initializer.remove(inits[name])
+        q = values.T  # [in, out] like the float initializer; channel axis 1
+        graph.initializer.extend([
+            helper.make_tensor(f"{name}__q", TensorProto.INT4, q.shape, pack_int4(q), raw=True),
+            numpy_helper.from_array(scale.astype(np.float32), f"{name}__scale"),
+            helper.make_tensor(f"{name}__zero", TensorProto.INT4, scale.shape, pack_int4(np.zeros(scale.shape, np.int8)), raw=True),
+        ])
+        nodes.append(helper.make_node("DequantizeLinear", [f"{name}__q", f"{name}__scale", f"{name}__zero"], [name],
+                                      axis=1, name=f"dq__{name}"))
+    for inp, (lo, hi) in input_ranges.items():
+        scale, zero = uint16_qparams(lo, hi)
+        graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), f"{inp}__scale"),
+                                  numpy_helper.from_array(np.array(zero, np.uint16), f"{inp}__zero")])
+        for node in graph.node:  # consumers read the dequantized input
+            for j, x in enumerate(node.input):
+                if x == inp:
+                    node.input[j] = f"{inp}__dq"
+        nodes += [helper.make_node("QuantizeLinear", [inp, f"{inp}__scale", f"{inp}__zero"], [f"{inp}__q"],
+                                   name=f"q__{inp}"),
+                  helper.make_node("DequantizeLinear", [f"{inp}__q", f"{inp}__scale", f"{inp}__zero"], [f"{inp}__dq"],
+                                   name=f"dq__{inp}")]
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + rest)
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(out_path))
+    return out_path

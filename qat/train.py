@@ -1,0 +1,87 @@
+"""KL QAT of the MTP head (paper, Table 4).
+
+Loss: KL(teacher || student) over the keep set, on response positions only; the teacher is
+the float head, frozen. Gradients pass AIMET's fake quantization by the straight-through
+estimator; weights and weight encodings train, activation encodings stay as calibrated. AdamW (0.9, 0.95), no weight decay,
+gradient-norm clip 1.0, linear warm-up then cosine, one sequence per micro-batch, gradient
+accumulation; fp32 master weights, BF16 autocast only where the recipe switches it on (GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from hyco.qat.capture import Capture
+from hyco.qat.mtp import teacher_forced_inputs
+from hyco.qat.quantsim import plain
+from tqdm import tqdm
+
+from hyco.recipe import QatConfig
+
+
+def lr_at(step: int, cfg: QatConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine from `lr` to 0 at `steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    return 0.5 * cfg.lr * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / span))
+
+
+def model_inputs(capture: Capture, sliding_window: int, device) -> tuple[torch.Tensor, ...]:
+    inputs = teacher_forced_inputs(capture.embeds, capture.hidden, capture.kv, sliding_window,
+                                   positions=capture.drafting_positions)
+    return tuple(x.to(device) for x in inputs)
+
+
+def kl_teacher_student(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p_teacher || p_student), both over the same (kept) vocabulary."""
+    t = F.log_softmax(teacher_logits.float(), dim=-1)
+    s = F.log_softmax(student_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cfg: QatConfig,
+                  sliding_window: int, device) -> list[dict]:
+    """Run `cfg.steps` optimizer steps on `sim.model`, one sequence per micro-batch (loaded on
+    access, so memory holds one sequence); returns the per-step history."""
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    # Weights and their encodings train; the 16-bit activation encodings stay as calibrated, so
+    # the ranges written to encodings.json are the ones the student was trained with and no
+    # range shrinks into clipping the step graph does not reproduce.
+    params = [p for name, p in sim.model.named_parameters()
+              if p.requires_grad and "input_quantizers" not in name and "output_quantizers" not in name]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    order: list[int] = []
+    history = []
+    sim.model.train()
+    use_autocast = cfg.bf16_autocast and device.type in ("cuda", "cpu")
+    for step in tqdm(range(cfg.steps), desc="qat: train", unit="step", disable=None):
+        start = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(cfg.grad_accumulation):
+            if not order:
+                order = list(range(len(captures)))
+                rng.shuffle(order)
+            inputs = model_inputs(captures[order.pop()], sliding_window, device)
+            with torch.no_grad():
+                teacher_logits, _ = teacher(*inputs)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                student_logits, _ = sim.model(*inputs)
+            loss = kl_teacher_student(teacher_logits, plain(student_logits)) / cfg.grad_accumulation
+            loss.backward()
+            total += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        history.append({"step": step, "loss": total, "lr": lr_at(step, cfg), "grad_norm": float(grad_norm),
+                        "wall_s": round(time.perf_counter() - start, 4)})
+    sim.model.eval()
+    return history

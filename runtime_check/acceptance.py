@@ -1,0 +1,75 @@
+"""Tree verification (paper section 3.5): exact and epsilon-threshold acceptance.
+
+Both rules start from the same draws: one sample s_v ~ p~(.|v) at every tree row v, taken in one
+vectorised call. Exact verification descends from the root to the child whose token equals s_v;
+the first sample matching no child is the bonus token. Since s_v is independent of everything
+drafted under v, the committed text follows p~ (lossless).
+
+Epsilon-threshold acceptance: a child c of v is accepted if c == s_v or p~(c|v) >= epsilon. The
+verifier takes the deepest path of accepted children; among equally deep paths it prefers more
+verifier-sampled edges (c == s_v), then the highest product of p~; a remaining tie goes to the
+node drafted first (lowest index, our choice, so the result is deterministic). The bonus is the
+sample at the path's endpoint. With epsilon = 1 only sampled edges (or p~ = 1, which the sample
+then equals) pass, so the rule is exact verification; `verify` uses the descent for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hyco.runtime_check.sampling import sample_rows
+from hyco.runtime_check.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: list[int]  # node indices from the root (included) to the endpoint
+    bonus: int  # the token sampled at the endpoint
+    sampled_edges: int  # edges on the path whose token equals the verifier's sample
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path) - 1
+
+    def committed_tokens(self, tree: DraftTree) -> list[int]:
+        """The round's new text after the root: accepted draft tokens, then the bonus."""
+        return [tree.nodes[i].token for i in self.path[1:]] + [self.bonus]
+
+
+def verify_exact(tree: DraftTree, samples: list[int]) -> Verdict:
+    node = 0
+    path = [0]
+    while (child := tree.child_with_token(node, samples[node])) is not None:
+        node = child
+        path.append(node)
+    return Verdict(path, int(samples[node]), len(path) - 1)
+
+
+def verify_epsilon(tree: DraftTree, probs: torch.Tensor, samples: list[int], epsilon: float) -> Verdict:
+    # Walk nodes parents-first; each node reachable through accepted edges carries its path key
+    # (depth, sampled edges, log product of p~), compared lexicographically.
+    p = probs.double()
+    key: dict[int, tuple[int, int, float]] = {0: (0, 0, 0.0)}
+    for i, node in enumerate(tree.nodes[1:], start=1):
+        if node.parent not in key:
+            continue
+        prob = float(p[node.parent, node.token])
+        sampled = node.token == samples[node.parent]
+        if not (sampled or prob >= epsilon):
+            continue
+        depth, n_sampled, log_prod = key[node.parent]
+        key[i] = (depth + 1, n_sampled + int(sampled), log_prod + (math.log(prob) if prob > 0 else -math.inf))
+    best = max(key, key=lambda i: (*key[i], -i))
+    return Verdict(tree.path_to(best), int(samples[best]), key[best][1])
+
+
+def verify(tree: DraftTree, probs: torch.Tensor, epsilon: float, generator: torch.Generator | None) -> Verdict:
+    """`probs` [len(tree), V] holds p~ at every row (row i: the next token after node i)."""
+    if probs.shape[0] != len(tree):
+        raise ValueError(f"probs has {probs.shape[0]} rows for a tree of {len(tree)} nodes")
+    samples = sample_rows(probs, generator).tolist()
+    if epsilon >= 1.0:
+        return verify_exact(tree, samples)
+    return verify_epsilon(tree, probs, samples, epsilon)

@@ -1,0 +1,216 @@
+"""`run_check`: decode the same prompts under every configuration and report side by side.
+
+The whole check stage as a keyword-only function; the pipeline (`stage.py`) and the CLI
+(`cli.py`) wrap it. Models load once (float32, eager attention); every prompt starts from fresh
+caches, and prompt i uses the same seed under every configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hyco.runtime_check.configs import DecodeConfig, decode_config
+from hyco.runtime_check.decode import DecodeLog, decode
+from hyco.runtime_check.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
+from hyco.runtime_check.metrics import summarize
+from hyco.runtime_check.report import write_report
+from hyco.runtime_check.verifier import ReferenceVerifier, Sampling
+from tqdm import tqdm
+
+from hyco.errors import HycoError
+from hyco.recipe import CheckConfig, DatasetConfig, to_dict
+
+
+def load_model(path: Path, what: str):
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise HycoError(f"{what} checkpoint not found: {path}/config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise HycoError(f"{path}: cannot load the {what} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")  # the tree masks are 4D additive masks
+    return model.eval()
+
+
+def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int) -> list[list[int]]:
+    """First user turns, formatted with the chat template: the vocab stage's reserved evaluation
+    prompts when it ran, else the first conversations of the dataset."""
+    texts = []
+    prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
+    if prompts_file is not None and prompts_file.is_file():
+        for line in prompts_file.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if record.get("split") == "eval":
+                texts += [text for role, text in record["turns"][:1] if role in ("user", "human")]
+    else:
+        from hyco.chat import iter_conversations
+
+        for conv in iter_conversations(dataset.source, dataset.schema, dataset.split):
+            texts += [text for role, text in conv.turns[:1] if role in ("user", "human")]
+            if len(texts) >= count:
+                break
+    if len(texts) < count:
+        raise HycoError(f"check.prompts asks for {count} prompts, but {prompts_file or dataset.source} has {len(texts)}")
+    prompts = []
+    for text in texts[:count]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+@dataclass(frozen=True)
+class PhoneShapes:
+    """What the phone's graphs were built with: the SLM Drafter's rings and prefill limit
+    (recipe.convert) and the MTP Drafter's hand-off window and h_t capture point (recipe.qat).
+    The check takes them from those sections, never from its own, so the runtime cannot
+    disagree with the graphs."""
+
+    ring_full: int
+    ring_sliding: int
+    max_prompt: int
+    mtp_window: int
+    capture_point: str
+
+    def __post_init__(self):
+        if not 1 <= self.ring_sliding <= self.ring_full or self.max_prompt < 1 or self.mtp_window < 1:
+            raise HycoError(f"convert.ring_sliding must be in [1, convert.ring_full], and convert.max_prompt and "
+                            f"qat.window >= 1, but got {self.ring_sliding}, {self.ring_full}, {self.max_prompt}, "
+                            f"{self.mtp_window}")
+
+
+def phone_mtp(cfg: DecodeConfig) -> bool:
+    return bool(cfg.mtp_depth) and not cfg.mtp_on_server
+
+
+def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier, head, slm, keep_ids,
+                  convert_dir: Path | None = None, qat_dir: Path | None = None) -> TreeDrafter:
+    mtp = None
+    wire = check.wire_bits == 8
+    if phone_mtp(cfg) and check.backend == "onnxruntime":
+        from hyco.runtime_check.mtp_onnx import MtpChainOnnx
+
+        mtp = MtpChainOnnx(qat_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
+                           quantize_wire=wire)
+    elif cfg.mtp_depth:
+        # Cloud+MTP: the released head on the server, full vocabulary, whole prefix, no link.
+        mtp = MtpChainTorch(head, verifier, keep_ids=None if cfg.mtp_on_server else keep_ids,
+                            window=None if cfg.mtp_on_server else phone.mtp_window,
+                            quantize_wire=not cfg.mtp_on_server and wire)
+    drafter_slm = None
+    if cfg.slm_passes and check.backend == "onnxruntime":
+        from hyco.runtime_check.slm_onnx import SlmOnnx
+
+        drafter_slm = SlmOnnx(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt)
+    elif cfg.slm_passes:
+        drafter_slm = SlmTorch(slm, keep_ids=keep_ids, ring_full=phone.ring_full, ring_sliding=phone.ring_sliding,
+                               max_prompt=phone.max_prompt)
+    return TreeDrafter(cfg, mtp, drafter_slm)
+
+
+def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier,
+               head, slm, keep_ids, eos_ids: set[int], max_new_tokens: int, convert_dir: Path | None = None,
+               qat_dir: Path | None = None) -> list[DecodeLog]:
+    sampling = Sampling(check.temperature, check.top_k, check.top_p)
+    logs = []
+    for i, prompt in enumerate(tqdm(prompts, desc=cfg.name, leave=False)):
+        drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
+                                convert_dir=convert_dir, qat_dir=qat_dir)
+        reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point, window=phone.mtp_window)
+        generator = torch.Generator().manual_seed(check.seed + i)
+        logs.append(decode(prompt, reference, drafter, epsilon=cfg.epsilon, max_new_tokens=max_new_tokens,
+                           eos_ids=eos_ids, generator=generator))
+    return logs
+
+
+def eos_ids_of(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vocab_dir: Path | None,
+              dataset: DatasetConfig, config: CheckConfig, out: Path, ring_full: int, ring_sliding: int,
+              max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
+              prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None) -> dict[str, Any]:
+    """`ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
+    `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`.
+
+    With `config.backend` onnxruntime both drafters run on the shipped graphs: the SLM on
+    `convert_dir`'s tree.onnx / prefill.onnx, the phone's MTP chain on `qat_dir`'s mtp_step.onnx
+    (Cloud+MTP's server-side head stays float torch)."""
+    check_backend(config.backend)
+    phone = PhoneShapes(ring_full, ring_sliding, max_prompt, mtp_window, capture_point)
+    names = list(configs or config.configs)
+    decode_configs = [decode_config(n, config) for n in names]
+    if config.backend == "onnxruntime":
+        needs = {"convert": (convert_dir, any(c.slm_passes for c in decode_configs)),
+                 "qat": (qat_dir, any(phone_mtp(c) for c in decode_configs))}
+        for stage, (folder, needed) in needs.items():
+            if needed and (folder is None or not (Path(folder) / "io_spec.json").is_file()):
+                raise HycoError(f"check.backend 'onnxruntime' needs the {stage} stage's graphs, but "
+                                f"{folder}/io_spec.json does not exist (add {stage} to the recipe's stages)")
+    threads = torch.get_num_threads()
+    if config.threads:
+        # Tiny models on a shared CPU: the thread pool's spin-waits cost more than the matmuls.
+        torch.set_num_threads(config.threads)
+    try:
+        return _run_check(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
+                          dataset=dataset, config=config, phone=phone, out=out, decode_configs=decode_configs,
+                          prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
+               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None):
+    from transformers import AutoTokenizer
+
+    names = [c.name for c in decode_configs]
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    verifier_model = load_model(verifier, "verifier")
+    torch_head = config.backend == "torch" or any(c.mtp_on_server for c in decode_configs)
+    head = load_model(assistant, "assistant") if torch_head and any(c.mtp_depth for c in decode_configs) else None
+    needs_slm = any(c.slm_passes for c in decode_configs) and config.backend == "torch"
+    slm_model = load_model(slm, "SLM") if needs_slm else None
+    vocab_size = verifier_model.config.get_text_config().vocab_size
+    for model, path in ((slm_model, slm), (head, assistant)):
+        if model is not None and model.config.get_text_config().vocab_size != vocab_size:
+            raise HycoError(f"{path}: vocabulary of {model.config.get_text_config().vocab_size} tokens, but the "
+                            f"verifier {verifier} has {vocab_size} (the drafters must share its tokenizer)")
+    keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
+    prompt_ids = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=prompts or config.prompts)
+    eos = eos_ids_of(verifier_model)
+    results = {}
+    for cfg in tqdm(decode_configs, desc="configurations"):
+        logs = decode_all(prompt_ids, cfg, config, phone, verifier=verifier_model, head=head, slm=slm_model,
+                          keep_ids=keep_ids, eos_ids=eos, max_new_tokens=config.max_new_tokens,
+                          convert_dir=convert_dir, qat_dir=qat_dir)
+        results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
+                             "mtp_depth": cfg.mtp_depth, **summarize(logs, None if keep_ids is None else keep_ids.numpy(), config.chain_depth)}
+    graphs = config.backend == "onnxruntime"
+    backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
+                "mtp": "onnxruntime (qat/ mtp_step.onnx, INT4)" if graphs else "torch float (qat/mtp.py)",
+                "verifier": "transformers float32"}
+    settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
+                "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
+                "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
+                "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}
+    return write_report(Path(out), results, settings)
+
+
+def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:
+    if vocab_dir is None or not (Path(vocab_dir) / "keep_set.json").is_file():
+        return None
+    from hyco.vocab.keepset import load_keep_set
+
+    keep = load_keep_set(vocab_dir, tokenizer)
+    if int(keep.token_ids.max()) >= vocab_size:
+        raise HycoError(f"{vocab_dir}/keep_set.json: ids reach {int(keep.token_ids.max())}, beyond the verifier's {vocab_size}")
+    return torch.from_numpy(keep.token_ids.astype(np.int64))

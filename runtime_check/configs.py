@@ -1,0 +1,67 @@
+"""The configurations of the paper's Table 5 (and section 4.2), as a registry.
+
+Every device tree uses the SLM Drafter with the keep set and the 1,024-token ring; the numbers
+(K, sibling depths, budget, rate, epsilon, SLM passes) come from the recipe's `check` section, so
+the tiny recipe and the paper share one table:
+
+| name       | MTP head            | K | siblings | SLM passes | nodes      | acceptance |
+|------------|---------------------|---|----------|------------|------------|------------|
+| hyco       | phone, keep set, 1K | 4 | 1-2      | 1          | 32         | epsilon    |
+| hyco-exact | phone, keep set, 1K | 4 | 1-2      | 1          | 32         | exact      |
+| hyco-2p    | phone, keep set, 1K | 4 | 1-2      | 2          | 32         | epsilon    |
+| specedge   | none                | 0 | -        | 4          | 32         | exact      |
+| specedge-eps | none              | 0 | -        | 4          | 32         | epsilon    |
+| cloud-mtp  | server, full vocab, whole prefix | 4 | - | 0     | 4          | exact      |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hyco.errors import HycoError
+from hyco.recipe import CheckConfig
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    name: str
+    label: str  # as the paper names it
+    mtp_depth: int  # K; 0: no MTP chain
+    mtp_on_server: bool  # Cloud+MTP: float head, full vocabulary, whole prefix, nothing on the wire
+    sibling_depths: tuple[int, ...]
+    slm_passes: int
+    epsilon: float  # 1.0: exact verification
+    budget: int
+    rate: float
+    slm_edge_cost: float  # added per SLM edge: ln(rate) in the hybrid tree, 0 in the SLM-only tree
+    slm_topk: int  # children the SLM proposes under each node it expands
+
+
+def _hybrid(check: CheckConfig, name: str, label: str, passes: int, epsilon: float) -> DecodeConfig:
+    return DecodeConfig(name, label, check.chain_depth, False, check.sibling_depths, passes, epsilon,
+                        check.budget, check.rate, math.log(check.rate), check.slm_topk)
+
+
+def _slm_only(check: CheckConfig, name: str, label: str, epsilon: float) -> DecodeConfig:
+    # SpecEdge-style: a 32-node tree in four sequential SLM passes, scored by the SLM's own
+    # cumulative log-probability (EAGLE-2-style expansion of the best new nodes).
+    return DecodeConfig(name, label, 0, False, (), check.specedge_passes, epsilon, check.budget, check.rate,
+                        0.0, check.slm_topk)
+
+
+CONFIGS = {
+    "hyco": lambda c: _hybrid(c, "hyco", "HyCo", c.slm_passes, c.epsilon),
+    "hyco-exact": lambda c: _hybrid(c, "hyco-exact", "HyCo exact", c.slm_passes, 1.0),
+    "hyco-2p": lambda c: _hybrid(c, "hyco-2p", "HyCo-2P", 2, c.epsilon),
+    "specedge": lambda c: _slm_only(c, "specedge", "SpecEdge-style", 1.0),
+    "specedge-eps": lambda c: _slm_only(c, "specedge-eps", "SpecEdge-eps", c.epsilon),
+    "cloud-mtp": lambda c: DecodeConfig("cloud-mtp", "Cloud+MTP", c.chain_depth, True, (), 0, 1.0,
+                                        c.chain_depth, c.rate, 0.0, c.slm_topk),
+}
+
+
+def decode_config(name: str, check: CheckConfig) -> DecodeConfig:
+    if name not in CONFIGS:
+        raise HycoError(f"check.configs: unknown configuration {name!r} (supported: {', '.join(CONFIGS)})")
+    return CONFIGS[name](check)

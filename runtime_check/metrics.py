@@ -1,0 +1,59 @@
+"""Per-configuration figures from the decode logs (the columns of the check report).
+
+- MAT: tokens committed per verification round (accepted draft tokens + the bonus; section 3.1).
+- Chain acceptance per depth k: the share of rounds whose first k chain tokens were all accepted
+  (cumulative) and its ratio to depth k-1 (conditional; the paper's 0.65-0.68 per depth).
+- Accepted tokens by source (chain / sibling / SLM), bonus tokens outside the keep set.
+- Bytes: the hand-off's fixed part per round (e, h), its K/V part per committed token, the first
+  reply, and the tree message per round.
+- Verifier passes per output token (prefill included), drafter time per round.
+"""
+
+from __future__ import annotations
+
+from statistics import mean
+
+import numpy as np
+from hyco.runtime_check.decode import DecodeLog
+from hyco.runtime_check.tree import SOURCES
+
+
+def summarize(logs: list[DecodeLog], keep_ids: np.ndarray | None, chain_depth: int) -> dict:
+    rounds = [r for log in logs for r in log.rounds]
+    output_tokens = sum(len(log.tokens) for log in logs)
+    accepted = [s for r in rounds for s in r.accepted_sources]
+    chain_rounds = [r for r in rounds if r.chain_planted]
+    cumulative = [_share(sum(r.chain_depth_reached >= k for r in chain_rounds), len(chain_rounds))
+                  for k in range(1, chain_depth + 1)] if chain_rounds else []
+    conditional = [_share(sum(r.chain_depth_reached >= k for r in chain_rounds),
+                          sum(r.chain_depth_reached >= k - 1 for r in chain_rounds))
+                   for k in range(1, len(cumulative) + 1)]
+    keep = set(keep_ids.tolist()) if keep_ids is not None else None
+    kv_rows = sum(r.committed for log in logs if log.wire_kv for r in log.rounds)
+    return {
+        "prompts": len(logs),
+        "output_tokens": output_tokens,
+        "rounds": len(rounds),
+        "mat": _avg([r.committed for r in rounds]),
+        "accepted_per_round": _avg([r.committed - 1 for r in rounds]),
+        "chain_acceptance_cumulative": cumulative,
+        "chain_acceptance_conditional": conditional,
+        "accepted_share_by_source": {s: _share(accepted.count(s), len(accepted)) for s in SOURCES},
+        "bonus_outside_keep_share": _share(sum(r.bonus not in keep for r in rounds), len(rounds)) if keep else 0.0,
+        # None where nothing crosses the link (no MTP head, or the head runs on the server).
+        "handoff_bytes_per_round": _avg([b for log in logs for b in log.wire_per_round]) if kv_rows else None,
+        "handoff_kv_bytes_per_committed_token": _share(sum(sum(log.wire_kv) for log in logs), kv_rows) if kv_rows else None,
+        "first_reply_bytes": _avg([log.first_reply_bytes for log in logs if log.first_reply_bytes]) if kv_rows else None,
+        "tree_bytes_per_round": _avg([r.tree_bytes for r in rounds]),
+        "tree_nodes_per_round": _avg([r.tree_nodes for r in rounds]),
+        "verifier_passes_per_output_token": _share(len(rounds) + len(logs), output_tokens),
+        "drafter_ms_per_round": 1e3 * _avg([r.draft_s for r in rounds]),
+    }
+
+
+def _avg(values: list[float]) -> float:
+    return float(mean(values)) if values else 0.0
+
+
+def _share(part: float, whole: float) -> float:
+    return float(part / whole) if whole else 0.0

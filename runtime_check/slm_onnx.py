@@ -1,0 +1,106 @@
+"""The SLM Drafter on convert/'s static graphs through onnxruntime (CPU, optimisations off).
+
+Same interface as `SlmTorch` (start / commit / propose). Feeds come from io_spec.json and
+convert/host.py's numpy pieces (LUT lookup, rotary tables, KV ring, masks), as on the phone:
+`prefill.onnx` takes the prompt's last `max_prompt` tokens in fixed-size chunks, `tree.onnx`
+takes the committed backlog plus the tree in its fixed rows (padding rows inactive), and only
+the backlog's rotated K/V rows are written to the ring afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from hyco.convert.export_onnx import ort_session
+from hyco.convert.host import EmbeddingLut, KVRing, Rope, build_feeds, tree_ancestors, tree_positions
+from hyco.runtime_check.tree import DraftTree
+
+from hyco.errors import HycoError
+from hyco.io_spec import read_io_spec
+
+
+class SlmOnnx:
+    def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int):
+        convert_dir = Path(convert_dir)
+        specs = read_io_spec(convert_dir / "io_spec.json")
+        for name in ("tree.onnx", "prefill.onnx"):
+            if name not in specs or not (convert_dir / name).is_file():
+                raise HycoError(f"{convert_dir}: no {name} (run the convert stage first)")
+        self.tree_spec, self.prefill_spec = specs["tree.onnx"], specs["prefill.onnx"]
+        meta = self.tree_spec.meta
+        if keep_ids is None and meta.get("keep_set"):
+            raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx predicts over the keep set {meta['keep_set']}; "
+                            "the check needs that keep set (add vocab to the recipe's stages)")
+        if keep_ids is not None and meta.get("keep_size") != len(keep_ids):
+            raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx restricts to {meta.get('keep_size')} tokens, "
+                            f"but the keep set has {len(keep_ids)}")
+        self.keep_ids = keep_ids.numpy() if keep_ids is not None else None
+        self.tree_session = ort_session(convert_dir / "tree.onnx")
+        self.prefill_session = ort_session(convert_dir / "prefill.onnx")
+        self.embed = EmbeddingLut.open(convert_dir / "luts" / "embed_tokens.safetensors")
+        per_layer = convert_dir / "luts" / "embed_tokens_per_layer.safetensors"
+        self.per_layer = EmbeddingLut.open(per_layer) if per_layer.is_file() else None
+        self.rope = Rope.from_json(convert_dir / "rope.json")
+        self.ring = KVRing.from_meta(meta)
+        self.num_layers = int(meta["num_layers"])
+        self.max_prompt = min(max_prompt, int(meta.get("max_prompt", max_prompt)))
+        self.committed = 0
+        self.backlog: list[int] = []
+
+    def _run(self, session, spec, tokens: list[int], parents: list[int]) -> dict[str, np.ndarray]:
+        rows = spec.meta["rows"]
+        n = len(tokens)
+        pad = rows - n
+        parents = list(parents) + [-1] * pad
+        ancestors = tree_ancestors(parents)
+        positions = tree_positions(parents, self.committed)
+        active = np.arange(rows) < n
+        self.ring.rows = rows  # one ring serves both graphs; only the row count differs
+        feeds = build_feeds(self.embed, self.per_layer, self.rope, self.ring, list(tokens) + [0] * pad,
+                            positions, ancestors, active, self.num_layers)
+        feeds = {k: v for k, v in feeds.items() if k in {t.name for t in spec.inputs}}
+        spec.check_feeds(feeds)
+        names = [t.name for t in spec.outputs]
+        out = dict(zip(names, session.run(names, feeds), strict=True))
+        out["positions"] = positions
+        return out
+
+    def _write(self, out: dict[str, np.ndarray], count: int) -> None:
+        self.ring.write(out, np.arange(count), out["positions"][:count])
+        self.committed += count
+
+    def start(self, prompt: list[int]) -> None:
+        kept = prompt[-self.max_prompt:]
+        self.committed = len(prompt) - len(kept)
+        chunk = self.prefill_spec.meta["rows"]
+        for start in range(0, len(kept), chunk):
+            piece = kept[start:start + chunk]
+            out = self._run(self.prefill_session, self.prefill_spec, piece, [-1] + list(range(len(piece) - 1)))
+            self._write(out, len(piece))
+
+    def commit(self, tokens: list[int]) -> None:
+        self.backlog.extend(tokens)
+
+    def propose(self, tree: DraftTree, nodes: list[int], topk: int) -> dict[int, tuple[list[int], list[float]]]:
+        rows = self.tree_spec.meta["rows"]
+        if len(self.backlog) + len(tree) > rows:  # no room: the backlog takes a pass of its own
+            out = self._run(self.tree_session, self.tree_spec, self.backlog, [-1] + list(range(len(self.backlog) - 1)))
+            self._write(out, len(self.backlog))
+            self.backlog = []
+        if len(tree) > rows:
+            raise HycoError(f"tree.onnx has {rows} rows, but the tree has {len(tree)} nodes")
+        lead = len(self.backlog)
+        tokens = self.backlog + tree.tokens
+        parents = [i - 1 for i in range(lead)] + [p + lead if p >= 0 else lead - 1 for p in tree.parents]
+        out = self._run(self.tree_session, self.tree_spec, tokens, parents)
+        self._write(out, lead)
+        self.backlog = []
+        k = min(topk, out["topk_indices"].shape[-1])
+        result = {}
+        for node in nodes:
+            keep_index = out["topk_indices"][lead + node, :k]
+            ids = self.keep_ids[keep_index] if self.keep_ids is not None else keep_index
+            result[node] = ([int(i) for i in ids], [float(x) for x in out["topk_logprobs"][lead + node, :k]])
+        return result

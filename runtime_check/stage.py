@@ -1,0 +1,53 @@
+"""The check stage in the pipeline: `run_check` over the recipe's models and the vocab stage's
+keep set and reserved evaluation prompts (when the recipe runs vocab).
+
+The phone's shapes come from the sections that build the graphs: the SLM Drafter's rings and
+prefill limit from `convert`, the MTP Drafter's window and capture point from `qat`. They are
+part of this stage's section, so changing them there reruns the check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hyco.errors import HycoError
+from hyco.recipe import Recipe, to_dict
+from hyco.stages import stage_dir
+
+
+def phone_shapes(recipe: Recipe) -> dict[str, Any]:
+    """`run_check`'s keyword arguments that belong to the convert and qat sections."""
+    return {"ring_full": recipe.convert.ring_full, "ring_sliding": recipe.convert.ring_sliding,
+            "max_prompt": recipe.convert.max_prompt, "mtp_window": recipe.qat.window,
+            "capture_point": recipe.qat.capture_point}
+
+
+def section(recipe: Recipe) -> dict[str, Any]:
+    return {"check": to_dict(recipe.check), "dataset": to_dict(recipe.dataset), "phone": phone_shapes(recipe)}
+
+
+def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
+    paths = {}
+    for name in ("tokenizer", "verifier", "assistant", "slm"):
+        path = recipe.path(getattr(recipe.models, name), run_dir)
+        if path is None:
+            raise HycoError(f"models.{name} must name a folder for the check stage, but got null")
+        paths[name] = path
+    if "vocab" in recipe.stages:
+        paths["vocab"] = stage_dir(run_dir, "vocab")
+    if recipe.check.backend == "onnxruntime":
+        paths["convert"] = stage_dir(run_dir, "convert")
+        paths["qat"] = stage_dir(run_dir, "qat")
+    return paths
+
+
+def build(recipe: Recipe, run_dir: Path, out: Path, *, configs: list[str] | None = None,
+          prompts: int | None = None) -> dict[str, Any]:
+    from hyco.runtime_check.check import run_check
+
+    paths = inputs(recipe, run_dir)
+    return run_check(verifier=paths["verifier"], assistant=paths["assistant"], slm=paths["slm"],
+                     tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
+                     config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),
+                     qat_dir=paths.get("qat"), **phone_shapes(recipe))

