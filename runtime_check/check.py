@@ -108,7 +108,7 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
     if cfg.slm_passes and check.backend == "onnxruntime":
         from hyco.runtime_check.slm_onnx import SlmOnnx
 
-        drafter_slm = SlmOnnx(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt)
+        drafter_slm = SlmOnnx(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full)
     elif cfg.slm_passes:
         drafter_slm = SlmTorch(slm, keep_ids=keep_ids, ring_full=phone.ring_full, ring_sliding=phone.ring_sliding,
                                max_prompt=phone.max_prompt)

@@ -22,7 +22,7 @@ from hyco.io_spec import read_io_spec
 
 
 class SlmOnnx:
-    def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int):
+    def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, ring_full: int | None = None):
         convert_dir = Path(convert_dir)
         specs = read_io_spec(convert_dir / "io_spec.json")
         for name in ("tree.onnx", "prefill.onnx"):
@@ -36,6 +36,10 @@ class SlmOnnx:
         if keep_ids is not None and meta.get("keep_size") != len(keep_ids):
             raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx restricts to {meta.get('keep_size')} tokens, "
                             f"but the keep set has {len(keep_ids)}")
+        full_slots = {r["slots"] for r in meta["rings"] if r["layer_type"] == "full_attention"}
+        if ring_full is not None and full_slots and full_slots != {ring_full}:
+            raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx has {sorted(full_slots)} full-attention ring slots, "
+                            f"but the check expects convert.ring_full {ring_full}")
         self.keep_ids = keep_ids.numpy() if keep_ids is not None else None
         self.tree_session = ort_session(convert_dir / "tree.onnx")
         self.prefill_session = ort_session(convert_dir / "prefill.onnx")

@@ -569,3 +569,12 @@ def test_mtp_graph_refuses_settings_it_was_not_built_for(mtp_graphs, keep):
         MtpChainOnnx(mtp_graphs, **{**args, "keep_ids": keep[:-1]})
     with pytest.raises(HycoError, match="needs that keep set"):
         MtpChainOnnx(mtp_graphs, **{**args, "keep_ids": None})
+
+
+def test_slm_graph_refuses_another_ring(slm_graphs, keep):
+    from hyco.runtime_check.slm_onnx import SlmOnnx
+
+    from hyco.errors import HycoError
+
+    with pytest.raises(HycoError, match=r"\[128\] full-attention ring slots, but the check expects convert.ring_full 64"):
+        SlmOnnx(slm_graphs, keep_ids=keep, max_prompt=128, ring_full=64)

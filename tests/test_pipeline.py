@@ -1,0 +1,68 @@
+"""`hyco-convert run` end to end on the embedded default's recipe, shrunk to CI size: every
+stage in order, manifests, the run report, skipping on rerun, rebuilding on change."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hyco.cli import main
+
+RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
+# The tiny recipe itself with its costly parts cut: no distillation (minutes), few prompts,
+# two QAT steps. Every stage and every code path between them still runs.
+SMALL = [
+    "fixtures.distill=false",
+    "vocab.count_conversations=300", "vocab.heldout_conversations=40",
+    "vocab.reserved_train=4", "vocab.reserved_eval=4",
+    "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
+    "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
+]
+
+
+def _set(overrides):
+    return [x for o in overrides for x in ("--set", o)]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "tiny"
+    assert main(["run", str(RECIPE), "--out", str(out), *_set(SMALL)]) == 0
+    return out
+
+
+def test_every_stage_writes_its_folder_and_manifest(run_dir):
+    report = json.loads((run_dir / "run_report.json").read_text())
+    stages = [s["stage"] for s in report["stages"]]
+    assert stages == ["fixtures", "vocab", "convert", "qat", "check"]
+    for name in stages:
+        manifest = json.loads((run_dir / name / "manifest.json").read_text())
+        assert manifest["stage"] == name and manifest["outputs"]
+        for rel, meta in manifest["outputs"].items():
+            assert (run_dir / name / rel).stat().st_size == meta["bytes"]
+    assert (run_dir / "run_summary.md").read_text().startswith("# Run of recipe `tiny`")
+    # no temp folder survives a finished run
+    assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
+
+
+def test_the_stages_hand_each_other_their_artifacts(run_dir):
+    assert json.loads((run_dir / "convert" / "bitexact.json").read_text())
+    assert (run_dir / "convert" / "tree.onnx").is_file() and (run_dir / "qat" / "mtp_step.onnx").is_file()
+    check = json.loads((run_dir / "check" / "report.json").read_text())
+    text = json.dumps(check)
+    for name in ("hyco", "hyco-exact", "cloud-mtp"):
+        assert f'"{name}"' in text
+    # the check ran the phone's drafters on the integer graphs, as the tiny recipe asks
+    assert "onnxruntime" in text
+
+
+def test_rerun_skips_and_a_changed_section_rebuilds(run_dir, capsys):
+    before = json.loads((run_dir / "vocab" / "manifest.json").read_text())
+    assert main(["run", str(RECIPE), "--out", str(run_dir), *_set(SMALL)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped (manifest matches)") == 5
+    assert json.loads((run_dir / "vocab" / "manifest.json").read_text()) == before
+    # a changed section reruns its stage and the stages that read it
+    assert main(["run", str(RECIPE), "--out", str(run_dir), *_set(SMALL), "--set", "check.max_new_tokens=6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped (manifest matches)") == 4 and "[check] built" in out
