@@ -32,14 +32,21 @@ from hyco.io_spec import GraphSpec, TensorSpec
 
 class _DequantizePerChannel(torch.autograd.Function):
     """ints [out, in] x scale [out] -> float weight. Exported as DequantizeLinear(axis=0) so the
-    integer weight stays an integer initializer (never folded to float)."""
+    integer weight stays an integer initializer (never folded to float).
+
+    While the ONNX exporter traces (`tracing`), only the op is recorded (its symbolic) and the
+    numbers are never used, so a zero-stride view of the scales stands in for the float
+    weight: the tracer keeps every traced value alive until the trace ends, and real float
+    weights (4x the int8 ints) piled up there (bench/bench_convert.py)."""
 
     @staticmethod
-    def forward(ctx, ints, scale):
+    def forward(ctx, ints, scale, tracing=False):
+        if tracing:
+            return scale[:, None].expand(ints.shape)
         return ints.to(torch.float32) * scale[:, None]
 
     @staticmethod
-    def symbolic(g, ints, scale):
+    def symbolic(g, ints, scale, tracing=False):
         return g.op("DequantizeLinear", ints, scale, axis_i=0)
 
 
@@ -80,7 +87,7 @@ class IntLinear(nn.Module):
     def forward(self, x):
         if self.input_scale:
             x = _StaticRangeQuantize.apply(x, self.srq_in)
-        y = F.linear(x, _DequantizePerChannel.apply(self.ints, self.scale))
+        y = F.linear(x, _DequantizePerChannel.apply(self.ints, self.scale, torch.jit.is_tracing()))
         if self.output_scale:
             y = _StaticRangeQuantize.apply(y, self.srq_out)
         return y

@@ -143,15 +143,6 @@ def kv_wire_bytes(heads: int, positions: int, head_dim: int) -> int:
     return heads * positions * (head_dim + 2)
 
 
-def handoff_wire_bytes(step: StepInput, new_positions: int) -> int:
-    """Bytes the server sends per burst: e and h as float16, plus int8 K/V of the newly
-    verified positions of both layers (the phone keeps the older rows in its ring)."""
-    total = 2 * (step.embed.numel() + step.hidden.numel())
-    for k, _ in step.kv.values():
-        total += 2 * kv_wire_bytes(k.shape[0], new_positions, k.shape[-1])
-    return total
-
-
 # --- attention masks over the hand-off rows (host side, numpy) -------------------------------
 
 

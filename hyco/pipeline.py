@@ -29,7 +29,9 @@ def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, log=print)
             force=force,
         )
         status = "skipped (manifest matches)" if manifest["skipped"] else "built"
-        log(f"[{name}] {status}: {len(manifest['outputs'])} files, {manifest['wall_s']:.1f} s, peak RSS {manifest['peak_rss_mb']:.0f} MiB")
+        when = "built earlier in " if manifest["skipped"] else ""
+        log(f"[{name}] {status}: {len(manifest['outputs'])} files, {when}{manifest['wall_s']:.1f} s, "
+            f"peak RSS {manifest['peak_rss_mb']:.0f} MiB")
         rows.append({
             "stage": name,
             "status": status,

@@ -453,3 +453,75 @@ def test_parity_exact_without_srq_rounding(tiny_family, tmp_path):
     checks = json.loads((tmp_path / "out" / "parity.json").read_text())["checks"]
     for name, c in checks.items():
         assert c["max_abs_diff"] < 1e-4 and c["positions_over_tolerance"] == 0, (name, c["max_abs_diff"])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monkeypatch):
+    """Large models: while the graphs are traced and written, the module's unpacked ints are
+    the only full copy of the weights (bench/bench_convert.py measures the peak):
+    tracing makes no float weight (the traced DequantizeLinear value owns less storage than
+    even the int8 ints), the exporter serializes no weight (they are data-free graph inputs),
+    and `finalize` writes each tensor's bytes to external data before making the next, and
+    writes exactly the module's ints and scales."""
+    from hyco.convert import export_onnx, static_model
+    from hyco.convert.load import load_model, read_checkpoint
+    from hyco.convert.rewrites import build_static_model
+    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    ckpt = read_checkpoint(tiny_family["slm"])
+    model, text, lm_head = load_model(ckpt)
+    static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=None,
+                                ring_full=32, ring_sliding=16, topk=4, mask_negative=-50.0)
+    del model, text, lm_head
+    linears = export_onnx.int_linears(static)
+    params = static.state_dict()
+
+    traced = []  # (int8 bytes of the ints, bytes of storage behind the traced float weight)
+    dequantize = static_model._DequantizePerChannel.forward
+
+    def spy_dequantize(ctx, ints, scale, tracing=False):
+        weight = dequantize(ctx, ints, scale, tracing)
+        traced.append((ints.numel(), weight.untyped_storage().nbytes()))
+        return weight
+
+    monkeypatch.setattr(static_model._DequantizePerChannel, "forward", staticmethod(spy_dequantize))
+    export_onnx.export_raw(static, 4, tmp_path / "raw", "g.onnx")
+    assert len(traced) == len(linears)
+    assert all(storage < ints for ints, storage in traced), traced
+
+    raw = onnx.load(str(tmp_path / "raw" / "g.onnx"))
+    assert [t.name for t in raw.graph.initializer if t.name in params] == []
+    assert set(linears) <= {i.name for i in raw.graph.input}
+    assert sum(len(t.raw_data) for t in raw.graph.initializer) < min(m.ints.numel() for m in linears.values())
+
+    made = []
+    weight_tensor = export_onnx.weight_tensor
+
+    def spy_weight_tensor(name, value, bits):
+        assert not any(t.HasField("raw_data") and len(t.raw_data) >= export_onnx.EXTERNAL_THRESHOLD for t in made), \
+            "finalize kept a weight's bytes in memory while making the next one"
+        made.append(weight_tensor(name, value, bits))
+        return made[-1]
+
+    monkeypatch.setattr(export_onnx, "weight_tensor", spy_weight_tensor)
+    path = tmp_path / "out" / "g.onnx"
+    export_onnx.finalize(tmp_path / "raw" / "g.onnx", path, params, export_onnx.weight_bits(static))
+    assert len(made) == len({i.name for i in raw.graph.input} & set(params))
+    written = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in written.graph.initializer}
+    assert all(len(t.raw_data) < export_onnx.EXTERNAL_THRESHOLD for t in inits.values())
+    external = [{e.key: e.value for e in t.external_data} for t in inits.values()
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert sum(int(e["length"]) for e in external) == path.with_name("g.onnx.data").stat().st_size  # each once
+    for name, m in linears.items():
+        ints, scale = inits[name], inits[name[:-len("ints")] + "scale"]
+        for t in (ints, scale):
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                load_external_data_for_tensor(t, str(path.parent))
+        if ints.data_type == onnx.TensorProto.INT4:
+            values = export_onnx.unpack_int4(ints.raw_data, m.ints.numel()).reshape(tuple(ints.dims))
+        else:
+            values = numpy_helper.to_array(ints)
+        assert (m.bits <= 4) == (ints.data_type == onnx.TensorProto.INT4), name
+        assert np.array_equal(values, m.ints.numpy()) and np.array_equal(numpy_helper.to_array(scale), m.scale.numpy())
