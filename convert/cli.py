@@ -36,7 +36,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from hyco.convert.stage import convert
 
-    from hyco.artifacts import run_stage
+    from hyco.artifacts import run_stage, stage_state
 
     try:
         config = dataclasses.replace(_DEFAULT, rows=args.rows, prefill_chunk=args.prefill_chunk,
@@ -56,8 +56,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                                              keep_set=keep_set, tokenizer=tokenizer),
                          force=args.force)
     s = manifest["summary"]
-    state = "up to date" if manifest["skipped"] else f"built in {manifest['wall_s']:.1f} s"
+    state = stage_state(manifest)
     print(f"wrote {args.out}: tree.onnx, prefill.onnx, luts/, io_spec.json ({state}); "
           f"bit-exact: {s.get('bitexact_all_equal')}, parity: {s.get('parity_passed')}")
-    print(f"next: hyco-convert calibrate --graphs {args.out} ...")
+    print(f"next: the check stage's SLM Drafter runs {args.out} with check.backend onnxruntime "
+          "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
     return 0

@@ -187,6 +187,13 @@ def run_stage(
     return manifest
 
 
+def stage_state(manifest: Mapping[str, Any]) -> str:
+    """One phrase for a CLI line: did `run_stage` build the stage or find it up to date?"""
+    if manifest.get("skipped"):
+        return "unchanged (manifest matches; --force rebuilds)"
+    return f"built in {manifest['wall_s']:.1f} s"
+
+
 def markdown_table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

@@ -50,7 +50,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_qat(args: argparse.Namespace) -> int:
     from hyco.qat.stage import build_qat
 
-    from hyco.artifacts import run_stage
+    from hyco.artifacts import run_stage, stage_state
 
     try:
         config = dataclasses.replace(
@@ -66,10 +66,11 @@ def _cmd_qat(args: argparse.Namespace) -> int:
     manifest = run_stage("qat", out, {"qat": to_dict(config)}, paths,
                          lambda tmp: build_qat(**paths, config=config, out=tmp), force=args.force)
     s = manifest["summary"]
-    state = "unchanged (manifest matches; --force rebuilds)" if manifest["skipped"] else f"built in {manifest['wall_s']:.1f} s"
+    state = stage_state(manifest)
     top1 = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["top1"].items() if not k.endswith("_train"))
     print(f"MTP head top-1 agreement with the float head: {top1}; {s['s_per_step']} s/step: {state}")
     print(f"wrote {out}/head_w4.safetensors, encodings.json, mtp_step.onnx, embed_lut.safetensors, io_spec.json, "
           "report.json, loss.png, agreement.png")
-    print(f"next: hyco-convert export reads {out}/mtp_step.onnx; runtime_check drafts with it")
+    print(f"next: the check stage's MTP Drafter runs {out}/mtp_step.onnx with check.backend onnxruntime "
+          "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
     return 0

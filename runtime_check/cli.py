@@ -27,7 +27,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from hyco.runtime_check import stage
 
-    from hyco.artifacts import run_stage
+    from hyco.artifacts import run_stage, stage_state
     from hyco.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.set or [])
@@ -37,7 +37,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     manifest = run_stage("check", out, section, stage.inputs(recipe, run_dir),
                          lambda tmp: stage.build(recipe, run_dir, tmp, configs=args.config, prompts=args.prompts),
                          force=args.force)
-    state = "unchanged (manifest matches; --force reruns)" if manifest["skipped"] else f"ran in {manifest['wall_s']:.1f} s"
+    state = stage_state(manifest)
     mats = ", ".join(f"{name} {v['mat']:.2f}" for name, v in manifest["summary"].items())
     print(f"MAT per configuration: {mats}: {state}")
     print(f"wrote {out}/report.json, report.md, check.png")

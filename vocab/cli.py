@@ -49,7 +49,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_vocab(args: argparse.Namespace) -> int:
     from hyco.vocab.stage import build_vocab
 
-    from hyco.artifacts import run_stage
+    from hyco.artifacts import run_stage, stage_state
 
     try:
         config = dataclasses.replace(
@@ -68,7 +68,7 @@ def _cmd_vocab(args: argparse.Namespace) -> int:
                          lambda tmp: build_vocab(tokenizer=tokenizer, dataset=dataset, config=config, out=tmp),
                          force=args.force)
     s = manifest["summary"]
-    state = "unchanged (manifest matches; --force rebuilds)" if manifest["skipped"] else f"built in {manifest['wall_s']:.1f} s"
+    state = stage_state(manifest)
     print(f"keep set {s['size']} tokens ({', '.join(f'{v} {k}' for k, v in s['categories'].items())}), "
           f"{100 * s['heldout_outside_share']:.2f}% of held-out assistant tokens outside: {state}")
     print(f"wrote {out}/keep_set.json, keep_to_vocab.npy, vocab_to_keep.npy, prompts.jsonl, report.json, coverage.png")
