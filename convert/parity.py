@@ -133,17 +133,25 @@ def reference_logits(model, ids, keep_ids, position_ids=None) -> np.ndarray:
     return logits[:, keep_ids]
 
 
-def check_chain(runner: GraphRunner, model, keep_ids, prompt, new_tokens: int) -> dict:
-    keep_ids = np.asarray(keep_ids)
-    logits = [runner.prefill(prompt)]
-    sequence = list(prompt)
+def greedy_graph_logits(runner: GraphRunner, prompt, keep_ids: np.ndarray, new_tokens: int,
+                        start: int | None = None) -> tuple[np.ndarray, list[int]]:
+    """Prefill `prompt` (after the ring's contents, or from position `start` on an empty ring),
+    then decode greedily with the
+    graph's own top-1: the graph's logits for every row, and the token sequence they belong to."""
+    logits = [runner.prefill(prompt, start=start)]
+    sequence = [int(t) for t in prompt]
     token = int(keep_ids[logits[0][-1].argmax()])
     for _ in range(new_tokens):
         sequence.append(token)
         out = runner.decode(token)
         logits.append(out["logits"][:1])
         token = int(keep_ids[out["topk_indices"][0, 0]])
-    graph = np.concatenate(logits)
+    return np.concatenate(logits), sequence
+
+
+def check_chain(runner: GraphRunner, model, keep_ids, prompt, new_tokens: int) -> dict:
+    keep_ids = np.asarray(keep_ids)
+    graph, sequence = greedy_graph_logits(runner, prompt, keep_ids, new_tokens)
     return compare(graph, reference_logits(model, sequence, keep_ids)) | {"prompt": len(prompt), "decoded": new_tokens}
 
 
@@ -232,15 +240,7 @@ def check_prompt_window(runner: GraphRunner, model, keep_ids, prompt, max_prompt
     keep_ids = np.asarray(keep_ids)
     windows = runner.specs["tree"].meta["windows"]
     window_ids, start = prompt_window(prompt, max_prompt)
-    logits = [runner.prefill(window_ids, start=start)]
-    sequence = [int(t) for t in window_ids]
-    token = int(keep_ids[logits[0][-1].argmax()])
-    for _ in range(new_tokens):
-        sequence.append(token)
-        out = runner.decode(token)
-        logits.append(out["logits"][:1])
-        token = int(keep_ids[out["topk_indices"][0, 0]])
-    graph = np.concatenate(logits)
+    graph, sequence = greedy_graph_logits(runner, window_ids, keep_ids, new_tokens, start=start)
     positions = start + np.arange(len(sequence))
 
     text_config = model.config.get_text_config()
