@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from hyco.recipe import ConvertConfig, to_dict
@@ -29,6 +30,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ring-sliding", type=int, default=_DEFAULT.ring_sliding, help="KV ring slots of sliding layers")
     p.add_argument("--topk", type=int, default=_DEFAULT.topk, help="in-graph top-k")
     p.add_argument("--no-parity", action="store_true", help="skip the parity checks against transformers")
+    p.add_argument("--allow-parity-failure", action="store_true",
+                   help="write the artifacts although the bit-exact or parity proof failed (manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
     p.set_defaults(func=_cmd_convert)
 
@@ -48,17 +51,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise HycoError(str(e)) from None
     keep_set = Path(args.keep_set) if args.keep_set else None
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    allow = args.allow_parity_failure
     inputs = {"checkpoint": Path(args.checkpoint)}
     if keep_set:
         inputs["keep_set"] = keep_set
     manifest = run_stage("convert", Path(args.out), {"convert": to_dict(config)}, inputs,
                          lambda tmp: convert(checkpoint=Path(args.checkpoint), out=tmp, config=config,
-                                             keep_set=keep_set, tokenizer=tokenizer),
-                         force=args.force)
+                                             keep_set=keep_set, tokenizer=tokenizer, allow_parity_failure=allow),
+                         force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     state = stage_state(manifest)
     print(f"wrote {args.out}: tree.onnx, prefill.onnx, luts/, io_spec.json ({state}); "
           f"bit-exact: {s.get('bitexact_all_equal')}, parity: {s.get('parity_passed')}")
+    if manifest.get("proof_failed"):
+        print(f"WARNING: proof failed, artifacts kept (--allow-parity-failure) and manifest marked: "
+              f"{manifest['proof_failed']}", file=sys.stderr)
+    elif s.get("parity_ties") is not None:
+        print(f"parity: bit-exact up to {s['parity_ties']} rounding ties (parity.json lists each)")
     print(f"next: the check stage's SLM Drafter runs {args.out} with check.backend onnxruntime "
           "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
     return 0

@@ -75,13 +75,19 @@ class EmbeddingLut:
 
     @classmethod
     def open(cls, path: str | Path) -> EmbeddingLut:
-        from safetensors.numpy import load_file  # safetensors' numpy reader has no torch dependency
+        from hyco.errors import HycoError
+        from hyco.loading import load_safetensors, require_tensor  # numpy reader: no torch here
 
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            meta = json.loads(f.read(header_len)).get("__metadata__", {})
-        tensors = load_file(str(path))
-        return cls(tensors["packed"], tensors["scale"], int(meta["bits"]), int(meta["dim"]), float(meta["embed_scale"]))
+        tensors, meta = load_safetensors(path, framework="numpy")
+        try:
+            bits, dim, embed_scale = int(meta["bits"]), int(meta["dim"]), float(meta["embed_scale"])
+        except (KeyError, ValueError) as e:
+            raise HycoError(f"{path}: LUT metadata lacks a valid bits/dim/embed_scale ({e})") from None
+        packed, scale = require_tensor(tensors, "packed", path), require_tensor(tensors, "scale", path)
+        if packed.ndim != 2 or scale.shape[:1] != packed.shape[:1]:
+            raise HycoError(f"{path}: tensors 'packed' {list(packed.shape)} and 'scale' {list(scale.shape)} "
+                            "must have one row per token")
+        return cls(packed, scale, bits, dim, embed_scale)
 
     def lookup(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -11,7 +11,6 @@ which transformers ignores silently). Only then is the model loaded with `from_p
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -56,6 +55,9 @@ class Checkpoint:
     layout: Layout
     tensors: dict[str, tuple[str, tuple[int, ...], Path]]  # name -> (dtype, shape, file)
     bits: dict[str, int] = field(default_factory=dict)  # quantized module (checkpoint name) -> bits
+    # tie_word_embeddings with no lm_head.weight in the files: the output layer's ints and scales
+    # are embed_tokens' (embedding_quantized, embedding_scale), as Gemma releases tie them.
+    tied_head: bool = False
 
     @property
     def quant(self) -> dict[str, Any]:
@@ -66,35 +68,10 @@ class Checkpoint:
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    """A safetensors header, with a check that the file holds all the bytes it declares."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise HycoError(f"{path}: not a readable safetensors file ({type(e).__name__})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > path.stat().st_size:
-        raise HycoError(f"{path}: truncated ({path.stat().st_size} bytes, header declares {8 + n + end})")
-    return header
+    """A safetensors header, checked whole (hyco/loading.py): entries, byte spans, file size."""
+    from hyco.loading import safetensors_header
 
-
-def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise HycoError(f"{index}: malformed index ({e})") from None
-        files = [folder / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise HycoError(f"{f}: listed in {index.name} but missing")
-        return files
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise HycoError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    return [single]
+    return safetensors_header(path)
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -105,11 +82,10 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise HycoError(f"config.json not found in {folder}")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise HycoError(f"{config_path}: not valid JSON ({e})") from None
-    arch = (config.get("architectures") or [None])[0]
+    from hyco.loading import read_json
+
+    config = read_json(config_path, "config.json")
+    arch = architecture(config)
     if arch not in LAYOUTS:
         raise HycoError(f"{config_path}: architecture {arch!r} is not supported (supported: {', '.join(LAYOUTS)})")
     quant = config.get("quantization_config") or {}
@@ -120,12 +96,28 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     for pattern, override in (quant.get("module_quant_configs") or {}).items():
         check_bits(override.get("num_bits", quant.get("num_bits", 4)),
                    f"{config_path}: quantization_config.module_quant_configs[{pattern!r}].num_bits")
-    tensors = {}
-    for path in weight_files(folder):
-        for name, info in read_header(path).items():
-            if name != "__metadata__":
-                tensors[name] = (info["dtype"], tuple(info["shape"]), path)
-    return Checkpoint(folder, config, LAYOUTS[arch], tensors)
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise HycoError(f"{config_path}: quantization_config.module_quant_configs key {pattern!r} is not a "
+                            f"regular expression ({e})") from None
+    from hyco.loading import check_scales, checkpoint_files
+
+    tensors = checkpoint_files(folder, "QAT")  # headers whole, shards not cut, index consistent
+    check_scales(tensors)  # finite, weight/embedding scales > 0
+    # transformers' default for tie_word_embeddings is true; a file that still holds lm_head.weight
+    # keeps its own output layer (transformers, too, unties weights it finds in the checkpoint).
+    tied = bool(config.get("tie_word_embeddings", True)) and "lm_head.weight" not in tensors
+    return Checkpoint(folder, config, LAYOUTS[arch], tensors, tied_head=tied)
+
+
+# model_type -> architecture, for configs whose "architectures" is null (transformers loads them)
+MODEL_TYPES = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+
+
+def architecture(config: dict[str, Any]) -> str | None:
+    """The config's first architecture, else the one its model_type implies."""
+    return (config.get("architectures") or [None])[0] or MODEL_TYPES.get(config.get("model_type"))
 
 
 def check_bits(bits: Any, where: str) -> None:
@@ -134,18 +126,11 @@ def check_bits(bits: Any, where: str) -> None:
 
 
 def module_bits(name: str, quant: dict[str, Any]) -> int:
-    """transformers' rule (replace_with_quant_layers): one alternation of the patterns,
-    searched in the module name; among matches at the same position the first listed wins."""
-    configs = quant.get("module_quant_configs") or {}
-    default = quant.get("num_bits", 4)
-    if not configs:
-        return default
-    matcher = re.compile("|".join(f"(?P<g{i}>{p})" for i, p in enumerate(configs)))
-    match = matcher.search(name)
-    if match is None:
-        return default
-    group = next(g for g, v in match.groupdict().items() if v is not None)
-    return list(configs.values())[int(group[1:])].get("num_bits", default)
+    """transformers' rule (replace_with_quant_layers), shared with every stage: see
+    `hyco.gemma_quant.bits_for_module` (leftmost match in the name wins)."""
+    from hyco.gemma_quant import bits_for_module
+
+    return bits_for_module(name, quant.get("module_quant_configs"), quant.get("num_bits", 4))
 
 
 def text_config(folder: Path):
@@ -187,8 +172,9 @@ def expected_tensors(ckpt: Checkpoint) -> dict[str, Expect]:
         packed = (rows, math.ceil(width / per_byte))
         int_dtype = frozenset({"I8"} if bits == 8 else {"U8"})
         if is_linear:
-            expect[f"{cname}.weight"] = Expect(packed, int_dtype)
-            expect[f"{cname}.weight_scale"] = Expect((rows, 1), frozenset({"F32"}))
+            if not (ckpt.tied_head and cname == "lm_head"):  # tied: embed_tokens' tensors (check_tied_head)
+                expect[f"{cname}.weight"] = Expect(packed, int_dtype)
+                expect[f"{cname}.weight_scale"] = Expect((rows, 1), frozenset({"F32"}))
             for which in ("input_activation_scale", "output_activation_scale"):
                 expect[f"{cname}.{which}"] = Expect((), frozenset({"F32"}), required=False)
         else:
@@ -230,7 +216,31 @@ def completeness(ckpt: Checkpoint) -> dict[str, Any]:
                         f"({len(report['missing'])} missing: {', '.join(report['missing'][:5])})")
     if report["misshapen"]:
         raise HycoError(f"{ckpt.folder}: misshapen tensor {report['misshapen'][0]}")
+    if ckpt.tied_head:
+        report["tied_head"] = check_tied_head(ckpt)
     return report
+
+
+def tied_embedding(ckpt: Checkpoint) -> str:
+    """The module whose table a tied output layer reuses (checkpoint name)."""
+    return ckpt.layout.text_prefix + "embed_tokens"
+
+
+def check_tied_head(ckpt: Checkpoint) -> dict[str, Any]:
+    """A tied output layer is embed_tokens' quantized table read as a linear: it needs that table
+    quantized, with one scale per row (what a QuantizedLinear's weight_scale [V, 1] is)."""
+    embed = tied_embedding(ckpt)
+    config_path = ckpt.folder / "config.json"
+    if f"{embed}.embedding_quantized" not in ckpt.tensors:
+        raise HycoError(f"{config_path}: tie_word_embeddings is true and there is no lm_head.weight, but {embed} is "
+                        "not quantized (quantization_config.quantize_embeddings); the NPU graph's output layer needs "
+                        "the integer table")
+    dtype, shape, path = ckpt.tensors[f"{embed}.embedding_scale"]
+    if shape[-1] != 1:
+        raise HycoError(f"{path}: tensor {embed}.embedding_scale has {shape[-1]} blocks per row, but a tied output "
+                        "layer needs one scale per row (tie_word_embeddings in config.json)")
+    ckpt.bits["lm_head"] = ckpt.bits[embed]  # the tied layer unpacks the table at the table's width
+    return {"ints": f"{embed}.embedding_quantized", "scales": f"{embed}.embedding_scale", "bits": ckpt.bits[embed]}
 
 
 # --- loading through transformers ------------------------------------------------------------------
@@ -242,26 +252,65 @@ def load_model(ckpt: Checkpoint):
     import torch
     import transformers
 
-    cls = getattr(transformers, (ckpt.config.get("architectures") or [""])[0])
+    cls = getattr(transformers, architecture(ckpt.config))
+    kwargs = {}
+    if ckpt.tied_head:
+        cls = tied_quantized_class(cls)
+    elif "lm_head.weight" in ckpt.tensors:
+        kwargs["tie_word_embeddings"] = False  # the file's own output layer (a tied quantized pair would crash)
     try:
-        model = cls.from_pretrained(str(ckpt.folder), dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as e:
+        model, info = cls.from_pretrained(str(ckpt.folder), dtype=torch.float32, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise HycoError(f"{ckpt.folder}: transformers could not load the checkpoint ({str(e).splitlines()[0]})") from None
     model.eval()
     text = model.model.language_model if ckpt.layout.name == "multimodal" else model.model
+    if ckpt.tied_head:
+        embed = text.embed_tokens
+        head = model.lm_head
+        if head.weight is not embed.embedding_quantized or head.weight_scale is not embed.embedding_scale:
+            raise HycoError(f"{ckpt.folder}: tie_word_embeddings is true, but transformers did not tie lm_head to "
+                            f"{tied_embedding(ckpt)}")
+        head.num_bits = embed.num_bits  # unpack the shared table at its own width
+    # SRQ scales a file leaves out are off (0, QuantizedLinear's own default); transformers'
+    # init of missing keys would leave them at random values (seen: 2e13, all logits 0).
+    with torch.no_grad():
+        for key in sorted(info["missing_keys"]):
+            if key.endswith(("input_activation_scale", "output_activation_scale")):
+                model.get_parameter(key).zero_()
     return model, text, model.lm_head
+
+
+def tied_quantized_class(cls):
+    """`cls` whose tie maps lm_head's packed ints and row scales onto embed_tokens' quantized
+    table, so transformers' own tie_weights shares the checkpoint's tensors. transformers ties
+    lm_head.weight to embed_tokens.weight, which a QuantizedEmbedding does not have (a tied *and*
+    quantized embedding crashes from_pretrained; platform notes)."""
+
+    class TiedQuantized(cls):
+        def tie_weights(self, missing_keys=None, recompute_mapping=False):
+            keys = self.all_tied_weights_keys  # {target: source}, expanded at init for the float modules
+            source = keys.get("lm_head.weight", "")
+            if source.endswith("embed_tokens.weight") and hasattr(self.get_input_embeddings(), "embedding_quantized"):
+                del keys["lm_head.weight"]
+                table = source[: -len("weight")]
+                keys["lm_head.weight"] = table + "embedding_quantized"
+                keys["lm_head.weight_scale"] = table + "embedding_scale"
+            return super().tie_weights(missing_keys=missing_keys, recompute_mapping=recompute_mapping)
+
+    TiedQuantized.__name__ = TiedQuantized.__qualname__ = cls.__name__
+    return TiedQuantized
 
 
 def kv_cache_scales(ckpt: Checkpoint, names: list[str]) -> dict[str, float]:
     """k/v_cache_scale tensors (transformers reads and drops them); calibrate/ reads them here."""
-    from safetensors import safe_open
+    from hyco.loading import open_safetensors, read_tensor
 
     out = {}
     by_file: dict[Path, list[str]] = {}
     for n in names:
         by_file.setdefault(ckpt.tensors[n][2], []).append(n)
     for path, ns in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for n in ns:
-                out[n] = float(f.get_tensor(n).float().reshape(-1)[0])
+                out[n] = float(read_tensor(f, n, path).float().reshape(-1)[0])
     return out

@@ -22,8 +22,9 @@ TABLES = {  # LUT file name -> (module in the text model, embed_scale as transfo
 
 
 def write_luts(ckpt: Checkpoint, text_config, out: Path) -> dict[str, dict]:
-    from safetensors import safe_open
     from safetensors.numpy import save_file
+
+    from hyco.loading import open_safetensors, read_tensor
 
     out.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -38,8 +39,9 @@ def write_luts(ckpt: Checkpoint, text_config, out: Path) -> dict[str, dict]:
         bits = ckpt.bits[module]
         tensors = {}
         for field, tensor_name in (("packed", key), ("scale", f"{module}.embedding_scale")):
-            with safe_open(str(ckpt.tensors[tensor_name][2]), framework="numpy") as f:
-                tensors[field] = f.get_tensor(tensor_name)
+            path = ckpt.tensors[tensor_name][2]
+            with open_safetensors(path, framework="numpy") as f:
+                tensors[field] = read_tensor(f, tensor_name, path)
         dim = text_config.hidden_size if name == "embed_tokens" else (
             text_config.num_hidden_layers * text_config.hidden_size_per_layer_input)
         meta = {"bits": str(bits), "dim": str(dim), "embed_scale": repr(float(embed_scale(text_config))),

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import sys
@@ -81,20 +82,22 @@ def write_json(path: Path, obj: Any) -> Path:
 
 
 def read_json(path: Path, what: str = "file") -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise HycoError(f"{what} not found: {path}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise HycoError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    from hyco.loading import read_json as read
+
+    return read(path, what)
 
 
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty temp folder that replaces `final` only if the block succeeds."""
+    """Yield an empty temp folder that replaces `final` only if the block succeeds.
+
+    Leftovers of a killed process (`.NAME.tmp-PID`, `.NAME.old-PID` with PID gone) are removed
+    first. When the block fails, folders this call created for `final`'s parent go too, so a
+    refused input leaves no trace (not even an empty OUT)."""
     final = Path(final)
+    created = _missing_ancestors(final.parent)
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final.parent, final.name)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -102,12 +105,151 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in created:  # deepest first; only if still empty (another stage may have written)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _missing_ancestors(folder: Path) -> list[Path]:
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def stale_temps(folder: Path, name: str = "*") -> list[Path]:
+    """`.NAME.tmp-PID` / `.NAME.old-PID` entries in `folder` whose process is gone (kill -9, power loss)."""
+    stale = []
+    for p in sorted(Path(folder).glob(f".{name}.*-*")):
+        stem, _, pid = p.name.rpartition("-")
+        if stem.endswith((".tmp", ".old")) and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            stale.append(p)
+    return stale
+
+
+def remove_stale_temps(folder: Path, name: str = "*") -> None:
+    for p in stale_temps(folder, name):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def adopt_finished(out: Path, key: Mapping[str, str]) -> bool:
+    """After a kill between "manifest written" and "renamed into place", the finished stage sits
+    in a stale temp folder (or, mid-swap, in the `.old` one): move the one whose manifest matches
+    `key` into place instead of rebuilding. True when `out` now matches."""
+    out = Path(out)
+    if not manifest_matches(out, key):
+        for candidate in stale_temps(out.parent, out.name):
+            if candidate.is_dir() and manifest_matches(candidate, key):
+                if out.exists():
+                    shutil.rmtree(out)  # out does not match the key: an older build or a half-deleted one
+                os.replace(candidate, out)
+                break
+    if not manifest_matches(out, key):
+        return False
+    remove_stale_temps(out.parent, out.name)
+    return True
+
+
+# --- byte-identical reruns ------------------------------------------------------------------------
+
+# JSON keys that hold a measurement of this run (time, memory), by naming convention; numbers only.
+_MEASURED_KEY = re.compile(r"(_s|_mb|(^|_)m?s_per_[a-z]+)$")
+
+
+_declared: dict[str, dict[str, Any]] | None = None  # the stage run_stage is building now
+
+
+def declare_nondeterministic(name: str, reason: str, ignore_pointers: list[str] | None = None) -> None:
+    """Record in the manifest of the stage being built that its output `name` cannot be
+    byte-identical across reruns, and why (name the library). With `ignore_pointers` (JSON
+    pointers into a JSON output; `*` = every key or item) only those values vary and every other
+    byte must not; without, the whole file varies. Outside run_stage it does nothing."""
+    if _declared is not None:
+        entry: dict[str, Any] = {"reason": reason}
+        if ignore_pointers is not None:
+            entry["ignore_pointers"] = sorted(ignore_pointers)
+        _declared[name] = entry
+
+
+def _measured_keys(obj: Any, prefix: str = "") -> list[str]:
+    """JSON pointers (RFC 6901; `*` for every list item) of the measured numbers in `obj`."""
+    keys = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            pointer = f"{prefix}/{str(k).replace('~', '~0').replace('/', '~1')}"
+            if _MEASURED_KEY.search(str(k)) and isinstance(v, int | float) and not isinstance(v, bool):
+                keys.append(pointer)
+            else:
+                keys += _measured_keys(v, pointer)
+    elif isinstance(obj, list):
+        for v in obj:
+            keys += [k for k in _measured_keys(v, prefix + "/*") if k not in keys]
+    return keys
+
+
+def nondeterministic_outputs(folder: Path) -> dict[str, dict[str, Any]]:
+    """Outputs that differ between two runs of the same recipe and seed, with the reason: JSON
+    files holding measured times or memory (their JSON pointers listed; every other byte is
+    reproducible) and what the stage being built declared (`declare_nondeterministic`)."""
+    folder = Path(folder)
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(folder.rglob("*.json")):
+        if p.name == MANIFEST:
+            continue
+        try:
+            keys = _measured_keys(json.loads(p.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if keys:
+            out[str(p.relative_to(folder))] = {"reason": "measured wall-clock time / memory of this run",
+                                               "ignore_pointers": sorted(set(keys))}
+    for name, entry in (_declared or {}).items():
+        auto = out.get(name)
+        if auto is not None and "ignore_pointers" in entry:  # both: one entry, both reasons
+            entry = {"reason": f"{entry['reason']}; {auto['reason']}",
+                     "ignore_pointers": sorted(set(entry["ignore_pointers"]) | set(auto["ignore_pointers"]))}
+        out[name] = entry
+    return out
+
+
+def canonicalize_safetensors(folder: Path) -> None:
+    """safetensors keeps `__metadata__` in a Rust HashMap, so two processes write its entries in
+    different orders (same tensors, different bytes). Rewrite each header with the metadata sorted:
+    same length, same content, reproducible bytes."""
+    for p in sorted(Path(folder).rglob("*.safetensors")):
+        with open(p, "r+b") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            meta = header.get("__metadata__")
+            if not isinstance(meta, dict) or len(meta) < 2:
+                continue
+            header["__metadata__"] = dict(sorted(meta.items()))
+            raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+            if len(raw) > n:  # cannot happen for a reordering; leave such a file as written
+                continue
+            f.seek(8)
+            f.write(raw + b" " * (n - len(raw)))
 
 
 def list_outputs(folder: Path) -> dict[str, dict[str, Any]]:
@@ -152,22 +294,36 @@ def run_stage(
     build: Callable[[Path], Mapping[str, Any] | None],
     *,
     force: bool = False,
+    allow_parity_failure: bool = False,
 ) -> dict[str, Any]:
     """Run `build(tmp_dir)` for stage `name` into `out` atomically and write its manifest.
 
     Skips the work when `out` already holds a manifest with the same key (section hash and
     input fingerprints) unless `force`. `build` may return a small summary dict that is
     stored in the manifest.
+
+    A summary with `proof_failed` (a stage that was allowed to keep artifacts whose proof
+    failed) marks the manifest; an input folder whose manifest is so marked is refused unless
+    `allow_parity_failure`, and a marked output is never reused without it.
     """
     out = Path(out)
+    refuse_failed_proofs(name, inputs, allow_parity_failure)
     key = stage_key(section, inputs)
-    if not force and manifest_matches(out, key):
+    if not force and adopt_finished(out, key):
         manifest = json.loads((out / MANIFEST).read_text())
-        manifest["skipped"] = True
-        return manifest
+        if allow_parity_failure or not manifest.get("proof_failed"):
+            manifest["skipped"] = True
+            return manifest
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
-        summary = build(tmp) or {}
+        global _declared
+        _declared = {}
+        try:
+            summary = build(tmp) or {}
+            canonicalize_safetensors(tmp)
+            nondeterministic = nondeterministic_outputs(tmp)
+        finally:
+            _declared = None
         manifest = {
             "stage": name,
             "key": key,
@@ -182,9 +338,30 @@ def run_stage(
             "toolchain": toolchain_versions(),
             "argv": sys.argv,
         }
+        if summary.get("proof_failed"):
+            manifest["proof_failed"] = str(summary["proof_failed"])
+        if nondeterministic:
+            manifest["nondeterministic"] = nondeterministic
         write_json(tmp / MANIFEST, manifest)
     manifest["skipped"] = False
     return manifest
+
+
+def refuse_failed_proofs(name: str, inputs: Mapping[str, Path], allow: bool) -> None:
+    """Refuse an input folder written by a stage whose proof failed (manifest `proof_failed`)."""
+    if allow:
+        return
+    for key, path in inputs.items():
+        manifest = Path(path) / MANIFEST
+        if not manifest.is_file():
+            continue
+        try:
+            failed = json.loads(manifest.read_text()).get("proof_failed")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if failed:
+            raise HycoError(f"{manifest}: input {key!r} of stage {name} was written although its proof failed "
+                            f"({failed}); pass --allow-parity-failure (recipe: allow_parity_failure: true) to use it")
 
 
 def stage_state(manifest: Mapping[str, Any]) -> str:

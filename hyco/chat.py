@@ -59,8 +59,12 @@ class TruncatedWarning(UserWarning):
     pass
 
 
-def _warn_truncated(where: str, count: int) -> None:
-    warnings.warn(f"{where}: truncated or corrupt after record {count}; read {count} complete records",
+def _warn_truncated(where: str, count: int, at: str = "") -> None:
+    """A source that breaks off: warn with what was read, or refuse one with no complete record."""
+    if count == 0:
+        raise HycoError(f"{where}: no complete record{at} (the file is empty, truncated or corrupt "
+                        "before its first record ends)")
+    warnings.warn(f"{where}: truncated or corrupt after record {count}{at}; read {count} complete records",
                   TruncatedWarning, stacklevel=3)
 
 
@@ -115,16 +119,18 @@ def iter_json_array(path: Path) -> Iterator[dict]:
 def iter_jsonl(path: Path) -> Iterator[dict]:
     count = 0
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
-                _warn_truncated(str(path), count)
+                _warn_truncated(str(path), count, f" (line {n})")
                 return
             count += 1
             yield obj
+    if count == 0:
+        _warn_truncated(str(path), 0)
 
 
 def _is_json_array(path: Path) -> bool:

@@ -1,16 +1,19 @@
 """`hyco-convert`: one subcommand per stage plus `run`, which runs a recipe's stages in order.
 
-Bad input raises HycoError; it is printed as one line and the exit status is 2.
+Bad input raises HycoError; it is printed as one line and the exit status is 2. A stage whose
+bit-exact or parity proof fails raises ProofFailed: one line naming the check, exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
+import warnings
 from pathlib import Path
 
-from hyco.errors import HycoError
+from hyco.errors import HycoError, ProofFailed
 from hyco.stages import STAGES
 
 
@@ -20,7 +23,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.set or [])
     run_dir = Path(args.out) if args.out else recipe.path(recipe.out)
-    report = run_recipe(recipe, run_dir, force=args.force)
+    report = run_recipe(recipe, run_dir, force=args.force, allow_parity_failure=args.allow_parity_failure)
     print(f"wrote {run_dir}/run_report.json and {run_dir}/run_summary.md ({report['wall_s']:.1f} s)")
     return 0
 
@@ -39,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny.yaml")
     run.add_argument("--out", help="output folder (default: the recipe's `out`)")
     run.add_argument("--force", action="store_true", help="rebuild every stage even if its manifest matches")
+    run.add_argument("--allow-parity-failure", action="store_true",
+                     help="keep a stage's artifacts although its bit-exact or parity proof failed (manifest marked, "
+                     "warning printed); later stages then accept such inputs too")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="override a recipe value, e.g. --set models.slm=/data/gemma-4-e2b (repeatable)")
     run.set_defaults(func=_cmd_run)
@@ -48,14 +54,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Our own warnings about the input (a dataset cut mid-record: what was read) print as one
+    line like errors do; library warnings keep Python's format."""
+    from hyco.chat import TruncatedWarning
+
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, TruncatedWarning):
+            print(f"hyco-convert {command}: warning: {message}", file=sys.stderr)
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args) or 0
+        with _one_line_warnings(args.command):
+            return args.func(args) or 0
     except HycoError as e:
         print(f"hyco-convert {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ProofFailed as e:
+        print(f"hyco-convert {args.command}: proof failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"hyco-convert {args.command}: interrupted; no partial artifact was kept", file=sys.stderr)
         return 130

@@ -7,9 +7,11 @@ transformers' `integrations/gemma_quant.py` unpacks what this module packs:
 Scales are float32, one per output row (`weight_scale [out, 1]`, `embedding_scale [rows, 1]`),
 and the dequantized weight is `int * scale`. SRQ activation scales are float32 scalars, 0 = off.
 
-`module_quant_configs` is one regex alternation searched in each module name, and the FIRST
-pattern listed wins (`bits_for_module` mirrors that), so `embed_tokens_per_layer` must come
-before `embed_tokens`.
+`module_quant_configs` is one regex alternation searched in each module name (transformers'
+`replace_with_quant_layers`), so the match that starts LEFTMOST in the name wins, and only among
+matches starting at the same place does the pattern listed first win (`bits_for_module` is that
+rule, for every stage): `embed_tokens_per_layer` must come before `embed_tokens`, and on
+`layers.1.mlp.down_proj` a pattern for `layers.1.` beats one for `mlp.down_proj` wherever listed.
 """
 
 from __future__ import annotations
@@ -105,11 +107,16 @@ def dequantize(ints: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def bits_for_module(name: str, module_quant_configs: Mapping[str, Mapping] | None, default_bits: int) -> int:
-    """The bit width transformers gives module `name`: the first listed pattern that matches wins."""
-    for pattern, override in (module_quant_configs or {}).items():
-        if re.search(pattern, name):
-            return int(override.get("num_bits", default_bits))
-    return default_bits
+    """The bit width transformers gives module `name`: its patterns joined into one alternation
+    of named groups and searched once, so the leftmost match wins (ties: the first listed)."""
+    configs = module_quant_configs or {}
+    if not configs:
+        return default_bits
+    match = re.search("|".join(f"(?P<g{i}>{p})" for i, p in enumerate(configs)), name)
+    if match is None:
+        return default_bits
+    group = next(g for g, v in match.groupdict().items() if v is not None)
+    return int(list(configs.values())[int(group[1:])].get("num_bits", default_bits))
 
 
 # --- reading a QAT checkpoint folder ------------------------------------------------------

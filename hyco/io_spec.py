@@ -22,6 +22,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # numpy dtype name: "float32", "int64", "uint8", ...
     meaning: str
+    # Quantized graphs (calibrate/): {"dtype": "uint8"|"uint16", "scale": float, "zero_point": int} of the
+    # tensor's grid (value = scale * (code - zero_point)); None for float graphs. A uint8/uint16 `dtype`
+    # means the graph itself takes/returns the codes; a float dtype with `quant` means the graph
+    # quantizes/dequantizes at its boundary on that grid.
+    quant: dict[str, Any] | None = None
 
     def zeros(self) -> np.ndarray:
         return np.zeros(self.shape, dtype=self.dtype)
@@ -57,13 +62,14 @@ class GraphSpec:
             t.check(feeds[t.name], self.graph)
 
     def to_dict(self) -> dict[str, Any]:
-        tensor = lambda t: {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "meaning": t.meaning}
+        tensor = lambda t: {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "meaning": t.meaning,
+                            **({"quant": t.quant} if t.quant is not None else {})}
         return {"graph": self.graph, "inputs": [tensor(t) for t in self.inputs],
                 "outputs": [tensor(t) for t in self.outputs], "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GraphSpec:
-        tensor = lambda t: TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["meaning"])
+        tensor = lambda t: TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["meaning"], t.get("quant"))
         return cls(d["graph"], tuple(map(tensor, d["inputs"])), tuple(map(tensor, d["outputs"])), d.get("meta", {}))
 
 

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from hyco.artifacts import markdown_table, peak_rss_mb, run_stage, write_json
+from hyco.artifacts import markdown_table, peak_rss_mb, remove_stale_temps, run_stage, write_json
+from hyco.loading import preflight
 from hyco.recipe import Recipe
 from hyco.stages import load_stage, stage_dir, stage_section
 
 
-def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, log=print) -> dict[str, Any]:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, allow_parity_failure: bool = False,
+               log=print) -> dict[str, Any]:
+    """Each stage in order; a stage whose proof fails raises ProofFailed, so `run` stops there
+    (unless `allow_parity_failure` or the recipe's key keeps its artifacts, marked)."""
+    run_dir = Path(run_dir)  # created by the first stage that finishes: a refused input leaves no OUT
     modules = {name: load_stage(name) for name in recipe.stages}  # fail before any work
+    allow = allow_parity_failure or recipe.allow_parity_failure
+    recipe = dataclasses.replace(recipe, allow_parity_failure=allow)  # the stages' build() reads it
+    # The user's own inputs (checkpoints, tokenizers outside the run folder) are checked before
+    # any stage runs: a truncated verifier shard fails the run now, not after minutes of earlier stages.
+    for module in modules.values():
+        for path in module.inputs(recipe, run_dir).values():
+            if not Path(path).resolve().is_relative_to(run_dir.resolve()):
+                preflight(path)
     rows = []
     start = time.perf_counter()
     for name, module in modules.items():
@@ -27,11 +39,14 @@ def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, log=print)
             inputs,
             lambda tmp, module=module: module.build(recipe, run_dir, tmp),
             force=force,
+            allow_parity_failure=allow,
         )
         status = "skipped (manifest matches)" if manifest["skipped"] else "built"
         when = "built earlier in " if manifest["skipped"] else ""
         log(f"[{name}] {status}: {len(manifest['outputs'])} files, {when}{manifest['wall_s']:.1f} s, "
             f"peak RSS {manifest['peak_rss_mb']:.0f} MiB")
+        if manifest.get("proof_failed"):
+            log(f"[{name}] WARNING: kept although its proof failed ({manifest['proof_failed']}); manifest marked")
         rows.append({
             "stage": name,
             "status": status,
@@ -48,6 +63,8 @@ def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, log=print)
         "wall_s": round(time.perf_counter() - start, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(run_dir)  # a half-written run report of a killed run
     write_json(run_dir / "run_report.json", report)
     md = f"# Run of recipe `{recipe.name}`\n\nOutput: `{run_dir}`; total {report['wall_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MiB.\n\n"
     md += markdown_table(rows, ["stage", "status", "files", "bytes", "wall_s", "peak_rss_mb"])

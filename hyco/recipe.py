@@ -9,6 +9,7 @@ the file. `RECIPE_VERSION` moves when a field changes meaning.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import yaml
 from hyco.errors import HycoError
 
 RECIPE_VERSION = 1
-STAGE_ORDER = ("fixtures", "vocab", "convert", "calibrate", "qat", "export", "check")
+STAGE_ORDER = ("fixtures", "vocab", "convert", "qat", "calibrate", "export", "check")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -67,6 +68,9 @@ class VocabConfig:
     reserved_eval: int = 60
     heldout_conversations: int = 1_000  # for the coverage report
     always_scripts: tuple[str, ...] = ("hangul",)
+    # Reserved placeholder tokens (Gemma's <unusedN>) are left out of the always-kept set (no chat
+    # text produces them; they still compete on their counts); true keeps them all.
+    keep_placeholders: bool = False
     comparison_sizes: tuple[int, ...] = (21_000, 45_000, 86_089)
     reference_vocab: int = 262_144  # comparison sizes are fractions of this (Gemma 4's vocabulary)
     seed: int = 0
@@ -80,6 +84,26 @@ class VocabConfig:
         _require(all(s > 0 for s in self.comparison_sizes), f"vocab.comparison_sizes must be > 0, but got {list(self.comparison_sizes)}")
         _require(self.reference_vocab > 0, f"vocab.reference_vocab must be > 0, but got {self.reference_vocab}")
         _require(self.seed >= 0, f"vocab.seed must be >= 0, but got {self.seed}")
+
+
+@dataclass(frozen=True)
+class AnswersConfig:
+    """Where the answers to the reserved prompts come from (hyco/answers.py): the verifier's
+    greedy text (the paper), its text sampled at `temperature` / `top_k` / `top_p`, or the
+    conversations' own first assistant turns, teacher-forced. qat trains on them, calibrate
+    reads qat's copy."""
+
+    source: Literal["greedy", "sampled", "corpus"] = "greedy"
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(self.temperature > 0, f"answers.temperature must be > 0, but got {self.temperature}")
+        _require(self.top_k >= 0, f"answers.top_k must be >= 0 (0: off), but got {self.top_k}")
+        _require(0 < self.top_p <= 1, f"answers.top_p must be in (0, 1], but got {self.top_p}")
+        _require(self.seed >= 0, f"answers.seed must be >= 0, but got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -108,12 +132,51 @@ class ConvertConfig:
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    prompts: int = 60
+    prompts: int = 60  # reserved train answers (qat/answers.jsonl) driven for calibration
+    eval_prompts: int = 60  # reserved eval answers for the fidelity figures (never calibrated on)
     activation_bits: Literal[8, 16] = 16
-    kv_bits: Literal[8, 16] = 8
+    activation_calibration: Literal["minmax", "percentile"] = "minmax"
+    activation_percentile: float = 99.999  # used when activation_calibration is "percentile"
+    kv_bits: Literal[8] = 8  # ring inputs and new K/V rows: uint8 codes on one grid per layer
     kv_percentile: float = 99.9
     kv_margin: float = 1.2  # KV range = 1.2 x p99.9 (paper)
-    max_new_tokens: int = 1_024
+    max_new_tokens: int = 1_024  # answer tokens used per prompt
+    chain_depth: int = 4  # the MTP chain along the answer in each calibration tree (K)
+    slm_topk: int = 8  # SLM children per tree node in the calibration trees
+    max_passes: int = 256  # calibration passes per graph (a seeded subsample beyond this)
+    mtp_steps: int = 4  # steps per MTP burst (K)
+    mtp_positions: int = 8  # drafting positions per capture for the MTP bursts
+    mask_floor: float = -50.0  # least negative mask value allowed (more negative only if the scores need it)
+    mask_headroom: float = 10.0  # nats of extra masked-score margin beyond the calibration data's worst row
+    sqnr_passes: int = 16  # passes per graph for the per-layer SQNR table
+    htp_check: bool = True  # HTP acceptance + simulator-vs-CPU (onnxruntime-qnn, one process per graph)
+    simulator_passes: int = 3  # passes per graph run on the HTP simulator (seconds each)
+    # SLM graphs whose final-softcap Tanh is written as 2 sigmoid(2u) - 1. The HTP's Tanh/LogSoftmax
+    # trap is context dependent (platform notes): on the soc-87 simulator, distilled tiny family, the
+    # prefill graph's top-k agreed with the CPU EP only with the rewrite (30/32 rows top-1 vs 4/32) and
+    # the tree graph's only without it (65/66 vs 0/66). Re-check on every new checkpoint.
+    softcap_sigmoid_graphs: tuple[str, ...] = ("prefill",)
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(self.prompts >= 1, f"calibrate.prompts must be >= 1, but got {self.prompts}")
+        _require(self.eval_prompts >= 1, f"calibrate.eval_prompts must be >= 1, but got {self.eval_prompts}")
+        _require(50.0 < self.kv_percentile <= 100.0, f"calibrate.kv_percentile must be in (50, 100], but got {self.kv_percentile}")
+        _require(50.0 < self.activation_percentile <= 100.0,
+                 f"calibrate.activation_percentile must be in (50, 100], but got {self.activation_percentile}")
+        _require(self.kv_margin >= 1.0, f"calibrate.kv_margin must be >= 1, but got {self.kv_margin}")
+        _require(self.max_new_tokens >= 1, f"calibrate.max_new_tokens must be >= 1, but got {self.max_new_tokens}")
+        _require(self.chain_depth >= 0, f"calibrate.chain_depth must be >= 0, but got {self.chain_depth}")
+        _require(self.slm_topk >= 1, f"calibrate.slm_topk must be >= 1, but got {self.slm_topk}")
+        _require(self.max_passes >= 1, f"calibrate.max_passes must be >= 1, but got {self.max_passes}")
+        _require(self.mtp_steps >= 1, f"calibrate.mtp_steps must be >= 1, but got {self.mtp_steps}")
+        _require(self.mtp_positions >= 1, f"calibrate.mtp_positions must be >= 1, but got {self.mtp_positions}")
+        _require(self.mask_floor < 0, f"calibrate.mask_floor must be < 0, but got {self.mask_floor}")
+        _require(self.mask_headroom >= 0, f"calibrate.mask_headroom must be >= 0, but got {self.mask_headroom}")
+        _require(self.sqnr_passes >= 1, f"calibrate.sqnr_passes must be >= 1, but got {self.sqnr_passes}")
+        _require(self.simulator_passes >= 0, f"calibrate.simulator_passes must be >= 0, but got {self.simulator_passes}")
+        _require(set(self.softcap_sigmoid_graphs) <= {"tree", "prefill"},
+                 f"calibrate.softcap_sigmoid_graphs must name tree and/or prefill, but got {list(self.softcap_sigmoid_graphs)}")
 
 
 @dataclass(frozen=True)
@@ -164,7 +227,25 @@ class QatConfig:
 class ExportConfig:
     backend: Literal["onnxruntime-qnn", "qai-hub"] = "onnxruntime-qnn"
     soc_model: int = 87  # SM8850 / Hexagon v81
+    htp_arch: int | None = None  # None: the SoC's own; a given value must match it (QNN falls back to v68 silently)
     device: str = "Samsung Galaxy S26 Ultra"  # qai-hub device name
+    # tree and prefill carry the same weights; one shared context saves their duplicate, but the x86
+    # simulator cannot load it, so it ships only on request and is labelled unverified in bundle.json
+    share_contexts: bool = False
+    max_context_bytes: int = 2 * 1024**3  # a graph with more weight bytes is split by layer ranges
+    reference_graphs: bool = True  # ship the QDQ graphs too (the smoke test's CPU reference; not for the phone)
+    smoke_prompts: int = 2  # the stage ends with a smoke run on the bundle (0: none)
+    smoke_rounds: int = 3
+    logprob_tolerance: float = 0.15  # smoke: HTP vs CPU top-k log-probs (platform notes: 0.116 on the tree graph)
+    isolate: bool = True  # smoke/check: each HTP context in its own worker process (results leak between sessions)
+
+    def __post_init__(self):
+        _require(self.soc_model > 0, f"export.soc_model must be > 0, but got {self.soc_model}")
+        _require(self.max_context_bytes > 0, f"export.max_context_bytes must be > 0, but got {self.max_context_bytes}")
+        _require(self.smoke_prompts >= 0 and self.smoke_rounds >= 1,
+                 f"export.smoke_prompts must be >= 0 and export.smoke_rounds >= 1, but got {self.smoke_prompts} "
+                 f"and {self.smoke_rounds}")
+        _require(self.logprob_tolerance > 0, f"export.logprob_tolerance must be > 0, but got {self.logprob_tolerance}")
 
 
 @dataclass(frozen=True)
@@ -217,8 +298,12 @@ class Recipe:
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     qat: QatConfig = field(default_factory=QatConfig)
+    answers: AnswersConfig = field(default_factory=AnswersConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    # Keep a stage's artifacts although its bit-exact or parity proof failed (manifest marked;
+    # later stages refuse a marked input unless this is set too). Default: a failed proof stops.
+    allow_parity_failure: bool = False
 
     def __post_init__(self):
         _require(self.version == RECIPE_VERSION,
@@ -230,6 +315,12 @@ class Recipe:
                  f"stages must be unique and in the order {list(STAGE_ORDER)}, but got {list(self.stages)}")
         _require("fixtures" not in self.stages or self.fixtures is not None,
                  "a recipe that lists the fixtures stage needs a fixtures section")
+        _require(bool(self.out.strip()), f"out must name a folder, but got {self.out!r}")
+        paths = {f"models.{f.name}": getattr(self.models, f.name) for f in dataclasses.fields(self.models)}
+        for key, value in {**paths, "dataset.source": self.dataset.source}.items():
+            _require(value is None or _stays_in_out(value),
+                     f"{key} must stay inside the run folder when it uses {{out}} ('{{out}}/...' without '..'), "
+                     f"but got {value!r}")
 
     def path(self, value: str | None, out: Path | None = None) -> Path | None:
         """Expand `{out}` in a path from the recipe."""
@@ -239,6 +330,16 @@ class Recipe:
 
     def section(self, name: str) -> dict[str, Any]:
         return to_dict(getattr(self, name)) if getattr(self, name) is not None else {}
+
+
+def _stays_in_out(value: str) -> bool:
+    """A path that names `{out}` is one of this run's own folders: it starts with `{out}` and no
+    `..` climbs out of it (a stage must never read or write beside the run)."""
+    if "{out}" not in value:
+        return True
+    rest = value[len("{out}"):]
+    return (value.startswith("{out}") and "{out}" not in rest and (rest == "" or rest.startswith("/"))
+            and ".." not in Path(rest).parts)
 
 
 # --- dict <-> dataclass ----------------------------------------------------------------
@@ -303,6 +404,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise HycoError(f"{where} must be a number, but got {value!r}")
+        if not math.isfinite(value):  # YAML's .nan / .inf pass every `x > 0`-style check as False or True
+            raise HycoError(f"{where} must be a finite number, but got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -324,15 +427,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    from hyco.loading import read_yaml
+
     path = Path(path)
-    if not path.is_file():
-        raise HycoError(f"recipe not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise HycoError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
+    data = read_yaml(path, "recipe")
     if not isinstance(data, dict):
         raise HycoError(f"{path}: a recipe must be a YAML mapping, but got {type(data).__name__}")
     for text in overrides:

@@ -26,6 +26,8 @@ STAGES: dict[str, str] = {
     "vocab": "hyco.vocab.stage",
     "convert": "hyco.convert.stage",
     "qat": "hyco.qat.stage",
+    "export": "hyco.export.stage",  # its cli.py also adds `hyco-convert smoke`
+    "calibrate": "hyco.calibrate.stage",
     "check": "hyco.runtime_check.stage",
 }
 

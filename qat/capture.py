@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hyco.errors import HycoError
 from hyco.handoff import LAYER_TYPES, handoff_states
+from hyco.loading import load_safetensors
 
 TENSORS = ("input_ids", "embeds", "hidden", "k_full", "v_full", "k_sliding", "v_sliding")
 _KV_NAMES = {"full_attention": ("k_full", "v_full"), "sliding_attention": ("k_sliding", "v_sliding")}
@@ -73,13 +73,7 @@ def load_capture(path: Path) -> Capture:
     path = Path(path)
     if not path.is_file():
         raise HycoError(f"capture shard not found: {path}")
-    try:
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise HycoError(f"{path}: not a readable safetensors shard ({e})") from None
+    tensors, meta = load_safetensors(path)
     missing = [t for t in TENSORS if t not in tensors]
     if missing or "response_start" not in meta:
         raise HycoError(f"{path}: capture shard lacks {missing or ['metadata response_start']}")

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from hyco.errors import HycoError
-from hyco.recipe import QatConfig, to_dict
+from hyco.recipe import AnswersConfig, QatConfig, to_dict
 
 _DEFAULT = QatConfig()
 
@@ -16,7 +16,7 @@ _DEFAULT = QatConfig()
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "qat", help="4-bit KL QAT of the gemma4_assistant MTP head; W4/W8 PTQ baselines; mtp_step.onnx",
-        description="Generate the verifier's greedy answers to vocab/'s reserved prompts, capture the hand-off "
+        description="Answer vocab/'s reserved prompts (--answers-source), capture the hand-off "
         "(e(x_{t+1}), h_t, last full/sliding K/V) teacher-forced, train the head with 4-bit per-channel weights "
         "and 16-bit activations (aimet-torch QuantSim, KL to the float head), compare with W4/W8 PTQ, and write "
         "head_w4.safetensors, encodings.json, mtp_step.onnx, embed_lut.safetensors, io_spec.json, report.json, "
@@ -42,7 +42,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=_DEFAULT.window, help="K/V ring positions of mtp_step.onnx")
     p.add_argument("--bf16-autocast", action="store_true", help="BF16 autocast in training (GPUs)")
     p.add_argument("--seed", type=int, default=_DEFAULT.seed, help="seed of training and sampling; same seed, same run")
+    p.add_argument("--answers-source", choices=("greedy", "sampled", "corpus"), default=AnswersConfig.source,
+                   help="what the head trains on: the verifier's greedy answers (the paper), its sampled answers "
+                   "(--answers-temperature, top-k 64, top-p 0.95), or the corpus's own assistant turns teacher-forced")
+    p.add_argument("--answers-temperature", type=float, default=AnswersConfig.temperature,
+                   help="sampling temperature of --answers-source sampled")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--allow-parity-failure", action="store_true",
+                   help="write the artifacts although the step graph's parity proof failed (manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
     p.set_defaults(func=_cmd_qat)
 
@@ -58,19 +65,27 @@ def _cmd_qat(args: argparse.Namespace) -> int:
             max_new_tokens_train=args.max_new_tokens_train, max_new_tokens_eval=args.max_new_tokens_eval,
             max_prompt_tokens=args.max_prompt_tokens, calibration_sequences=args.calibration_sequences,
             capture_point=args.capture_point, window=args.window, bf16_autocast=args.bf16_autocast, seed=args.seed)
+        answers = AnswersConfig(source=args.answers_source, temperature=args.answers_temperature, seed=args.seed)
     except ValueError as e:
         raise HycoError(str(e)) from None
     paths = {"verifier": Path(args.verifier), "assistant": Path(args.assistant), "tokenizer": Path(args.tokenizer),
              "vocab": Path(args.vocab)}
     out = Path(args.out)
-    manifest = run_stage("qat", out, {"qat": to_dict(config)}, paths,
-                         lambda tmp: build_qat(**paths, config=config, out=tmp), force=args.force)
+    manifest = run_stage("qat", out, {"qat": to_dict(config), "answers": to_dict(answers)}, paths,
+                         lambda tmp: build_qat(**paths, config=config, out=tmp, answers=answers,
+                                               allow_parity_failure=args.allow_parity_failure),
+                         force=args.force, allow_parity_failure=args.allow_parity_failure)
     s = manifest["summary"]
     state = stage_state(manifest)
     top1 = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["top1"].items() if not k.endswith("_train"))
     print(f"MTP head top-1 agreement with the float head: {top1}; {s['s_per_step']} s/step: {state}")
     print(f"wrote {out}/head_w4.safetensors, encodings.json, mtp_step.onnx, embed_lut.safetensors, io_spec.json, "
           "report.json, loss.png, agreement.png")
+    if manifest.get("proof_failed"):
+        import sys
+
+        print(f"WARNING: proof failed, artifacts kept (--allow-parity-failure) and manifest marked: "
+              f"{manifest['proof_failed']}", file=sys.stderr)
     print(f"next: the check stage's MTP Drafter runs {out}/mtp_step.onnx with check.backend onnxruntime "
           "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
     return 0

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from hyco.errors import HycoError
 from hyco.handoff import embed_tokens
+from hyco.loading import load_safetensors
 
 EMBED_LUT = "embed_lut.safetensors"
 
@@ -49,10 +49,7 @@ class EmbedLut:
         path = Path(path)
         if not path.is_file():
             raise HycoError(f"embedding LUT not found: {path}")
-        try:
-            t = load_file(str(path))
-        except (SafetensorError, OSError) as e:
-            raise HycoError(f"{path}: not a readable safetensors file ({e})") from None
+        t, _ = load_safetensors(path, framework="numpy")
         for name, dtype in (("values", np.int8), ("scales", np.float32), ("keep_to_vocab", np.int32)):
             if name not in t or t[name].dtype != dtype:
                 raise HycoError(f"{path}: tensor {name!r} must be {np.dtype(dtype).name}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hyco.errors import HycoError
 from hyco.handoff import StepInput, attention_masks
 
 
@@ -73,8 +74,26 @@ def draft_chain(head: nn.Module, embed_fn, start: StepInput, depth: int, topk: i
     return Draft(torch.stack(tokens).cpu(), torch.stack(ids).cpu(), torch.stack(logprobs).cpu())
 
 
+def require_plain_output_layer(config, where: str | None = None) -> None:
+    """Refuse a head whose logits are not `lm_head(h)`.
+
+    With `use_ordered_embeddings`, transformers' gemma4_assistant scores only the tokens of the
+    `centroid_intermediate_top_k` best of `num_centroids` clusters (`masked_embedding`: a
+    centroid Linear, a TopK, a `token_ordering` gather) and fills the rest with the row's minimum
+    minus 1. The QAT student, the step graph and its keep-set TopK compute the plain output
+    layer, so such a head would silently draft from a different distribution: refused.
+    """
+    if getattr(config, "use_ordered_embeddings", False):
+        folder = where or getattr(config, "_name_or_path", "") or "assistant"
+        raise HycoError(f"{folder}/config.json: use_ordered_embeddings is true (gemma4_assistant's centroid-masked "
+                        f"output layer, {getattr(config, 'num_centroids', '?')} centroids, top "
+                        f"{getattr(config, 'centroid_intermediate_top_k', '?')}); the QAT student and mtp_step.onnx "
+                        "compute the plain lm_head over the keep set, so this head is not supported")
+
+
 def restricted_lm_head(head: nn.Module, keep_ids: torch.Tensor | None) -> nn.Linear:
     """An untied copy of the head's output layer, cut to the keep set (rows in keep order)."""
+    require_plain_output_layer(head.config)
     weight = head.lm_head.weight.detach()
     if keep_ids is not None:
         weight = weight[keep_ids.to(weight.device)]

@@ -63,6 +63,9 @@ class MtpStep(nn.Module):
 
     def __init__(self, head: nn.Module, weights: dict[str, torch.Tensor], topk: int):
         super().__init__()
+        from hyco.qat.mtp import require_plain_output_layer
+
+        require_plain_output_layer(head.config)  # the graph's output is the plain lm_head
         text = head.config.get_text_config()
         self.layer_types = list(text.layer_types)
         self.heads = text.num_attention_heads
@@ -286,3 +289,35 @@ def quantize_graph(float_path: Path, out_path: Path, int_weights: dict[str, tupl
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(out_path))
     return out_path
+
+
+# --- parity build ----------------------------------------------------------------------------
+
+
+def tap_input_qdq(path: Path, dst: Path) -> dict[str, str]:
+    """Parity build of a quantized step graph: each input's uint16 QDQ output (`<input>__dq`)
+    becomes a graph output too. Returns {input: its dequantized tensor}.
+
+    The step graph rounds nowhere else: its weights are INT4 initializers behind
+    DequantizeLinear, and every activation between its ops stays float (the 16-bit activation
+    encodings go to encodings.json for the HTP compiler, not into the graph). This is checked
+    here: a QuantizeLinear other than an input's raises. So a reference fed these tapped inputs
+    sees every rounding the graph makes, no rounding tie can separate the two, and what is left
+    is float32 summation order."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    quantizers = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    inputs = {i.name: i for i in graph.input}
+    taps = {}
+    for node in quantizers:
+        name = node.input[0]
+        if name not in inputs:
+            raise RuntimeError(f"{path}: QuantizeLinear {node.name!r} rounds an activation ({name}), not a graph input")
+        taps[name] = f"{name}__dq"
+        dims = [d.dim_value for d in inputs[name].type.tensor_type.shape.dim]
+        graph.output.append(helper.make_tensor_value_info(taps[name], onnx.TensorProto.FLOAT, dims))
+    onnx.save(model, str(dst))
+    return taps

@@ -27,11 +27,17 @@ from hyco.runtime_check.tree import DraftTree
 class Verdict:
     path: list[int]  # node indices from the root (included) to the endpoint
     bonus: int  # the token sampled at the endpoint
-    sampled_edges: int  # edges on the path whose token equals the verifier's sample
+    # per edge on the path: does its token equal the verifier's sample at its parent? (False:
+    # accepted by the epsilon threshold only; exact verification accepts sampled edges alone)
+    edge_sampled: tuple[bool, ...]
 
     @property
     def accepted(self) -> int:
         return len(self.path) - 1
+
+    @property
+    def sampled_edges(self) -> int:
+        return sum(self.edge_sampled)
 
     def committed_tokens(self, tree: DraftTree) -> list[int]:
         """The round's new text after the root: accepted draft tokens, then the bonus."""
@@ -44,7 +50,7 @@ def verify_exact(tree: DraftTree, samples: list[int]) -> Verdict:
     while (child := tree.child_with_token(node, samples[node])) is not None:
         node = child
         path.append(node)
-    return Verdict(path, int(samples[node]), len(path) - 1)
+    return Verdict(path, int(samples[node]), (True,) * (len(path) - 1))
 
 
 def verify_epsilon(tree: DraftTree, probs: torch.Tensor, samples: list[int], epsilon: float) -> Verdict:
@@ -62,7 +68,8 @@ def verify_epsilon(tree: DraftTree, probs: torch.Tensor, samples: list[int], eps
         depth, n_sampled, log_prod = key[node.parent]
         key[i] = (depth + 1, n_sampled + int(sampled), log_prod + (math.log(prob) if prob > 0 else -math.inf))
     best = max(key, key=lambda i: (*key[i], -i))
-    return Verdict(tree.path_to(best), int(samples[best]), key[best][1])
+    path = tree.path_to(best)
+    return Verdict(path, int(samples[best]), tuple(tree.nodes[i].token == samples[tree.nodes[i].parent] for i in path[1:]))
 
 
 def verify(tree: DraftTree, probs: torch.Tensor, epsilon: float, generator: torch.Generator | None) -> Verdict:

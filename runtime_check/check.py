@@ -7,8 +7,7 @@ caches, and prompt i uses the same seed under every configuration.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,34 +26,42 @@ from hyco.recipe import CheckConfig, DatasetConfig, to_dict
 
 
 def load_model(path: Path, what: str):
-    from transformers import AutoModelForCausalLM
+    from hyco.loading import check_scales, checkpoint_files, load_pretrained
 
-    if not (Path(path) / "config.json").is_file():
-        raise HycoError(f"{what} checkpoint not found: {path}/config.json")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise HycoError(f"{path}: cannot load the {what} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    quantized = what == "SLM"  # the QAT-format checkpoint: integer weights and their scales
+    if quantized:
+        check_scales(checkpoint_files(path, what))
+    model = load_pretrained(path, what, float_checkpoint=not quantized, dtype=torch.float32)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")  # the tree masks are 4D additive masks
     return model.eval()
 
 
+def _first_user(turns) -> list[str]:
+    """The first non-empty user turn (as qat's answers take it; a system turn may come first)."""
+    return next(([text] for role, text in turns if role in ("user", "human") and text.strip()), [])
+
+
 def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int) -> list[list[int]]:
     """First user turns, formatted with the chat template: the vocab stage's reserved evaluation
-    prompts when it ran, else the first conversations of the dataset."""
+    prompts when it ran, else the first conversations of the dataset's evaluation partition
+    (hyco/splits.py), which no fixture distillation trains on."""
     texts = []
     prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
     if prompts_file is not None and prompts_file.is_file():
-        for line in prompts_file.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
+        from hyco.vocab.keepset import load_prompts as load_reserved
+
+        for record in load_reserved(prompts_file):
             if record.get("split") == "eval":
-                texts += [text for role, text in record["turns"][:1] if role in ("user", "human")]
+                texts += _first_user(record["turns"])
     else:
         from hyco.chat import iter_conversations
+        from hyco.splits import is_evaluation
 
         for conv in iter_conversations(dataset.source, dataset.schema, dataset.split):
-            texts += [text for role, text in conv.turns[:1] if role in ("user", "human")]
+            if not is_evaluation(conv):
+                continue
+            texts += _first_user(conv.turns)
             if len(texts) >= count:
                 break
     if len(texts) < count:
@@ -94,7 +101,12 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
                   convert_dir: Path | None = None, qat_dir: Path | None = None) -> TreeDrafter:
     mtp = None
     wire = check.wire_bits == 8
-    if phone_mtp(cfg) and check.backend == "onnxruntime":
+    if phone_mtp(cfg) and check.backend == "qnn":  # convert_dir and qat_dir are both the export bundle
+        from hyco.runtime_check.qnn_backend import mtp_qnn
+
+        mtp = mtp_qnn(qat_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
+                      quantize_wire=wire)
+    elif phone_mtp(cfg) and check.backend == "onnxruntime":
         from hyco.runtime_check.mtp_onnx import MtpChainOnnx
 
         mtp = MtpChainOnnx(qat_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
@@ -105,7 +117,11 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
                             window=None if cfg.mtp_on_server else phone.mtp_window,
                             quantize_wire=not cfg.mtp_on_server and wire)
     drafter_slm = None
-    if cfg.slm_passes and check.backend == "onnxruntime":
+    if cfg.slm_passes and check.backend == "qnn":
+        from hyco.runtime_check.qnn_backend import slm_qnn
+
+        drafter_slm = slm_qnn(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full)
+    elif cfg.slm_passes and check.backend == "onnxruntime":
         from hyco.runtime_check.slm_onnx import SlmOnnx
 
         drafter_slm = SlmOnnx(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full)
@@ -113,6 +129,13 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
         drafter_slm = SlmTorch(slm, keep_ids=keep_ids, ring_full=phone.ring_full, ring_sliding=phone.ring_sliding,
                                max_prompt=phone.max_prompt)
     return TreeDrafter(cfg, mtp, drafter_slm)
+
+
+def handoff_window(cfg: DecodeConfig, phone: PhoneShapes) -> int | None:
+    """Prompt rows of K/V the first reply carries to the configuration's MTP head: the phone's
+    window (qat.window), or None, the whole prefix, for a head on the server (Cloud+MTP in the
+    paper's Table 5 drafts from everything the verifier has seen)."""
+    return None if cfg.mtp_on_server else phone.mtp_window
 
 
 def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier,
@@ -123,11 +146,44 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
     for i, prompt in enumerate(tqdm(prompts, desc=cfg.name, leave=False)):
         drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
                                 convert_dir=convert_dir, qat_dir=qat_dir)
-        reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point, window=phone.mtp_window)
+        reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
+                                      window=handoff_window(cfg, phone))
         generator = torch.Generator().manual_seed(check.seed + i)
         logs.append(decode(prompt, reference, drafter, epsilon=cfg.epsilon, max_new_tokens=max_new_tokens,
-                           eos_ids=eos_ids, generator=generator))
+                           eos_ids=eos_ids, generator=generator, probe_epsilon=check.epsilon))
     return logs
+
+
+@torch.no_grad()
+def greedy_generate(verifier, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """The verifier's own greedy `generate` per prompt: its tokens and its raw logits per step."""
+    outs = []
+    for prompt in prompts:
+        gen = verifier.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                output_logits=True, return_dict_in_generate=True)
+        outs.append((gen.sequences[0, len(prompt):].tolist(), torch.cat(gen.logits).float()))
+    return outs
+
+
+def compare_with_generate(logs: list[DecodeLog], reference: list[tuple[list[int], torch.Tensor]]) -> dict[str, Any]:
+    """Committed greedy tokens against `generate`'s, prompt by prompt: equal, or where they first
+    differ with the verifier's logit margin there (generate's logit of its token minus ours; a
+    margin near float rounding would be a tie broken differently, anything larger a defect)."""
+    compared, first, distinct = 0, None, set()
+    for i, (log, (theirs, logits)) in enumerate(zip(logs, reference, strict=True)):
+        distinct.update(theirs)
+        ours = log.tokens
+        compared += max(len(ours), len(theirs))
+        j = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                 min(len(ours), len(theirs)))
+        if first is None and ours != theirs:
+            margin = (float(logits[j, theirs[j]] - logits[j, ours[j]])
+                      if j < len(ours) and j < len(theirs) else None)
+            first = {"prompt": i, "position": j, "ours": ours[j] if j < len(ours) else None,
+                     "generate": theirs[j] if j < len(theirs) else None, "logit_margin": margin}
+    # distinct tokens in generate's text: agreement on a few repeated tokens is weak evidence
+    return {"prompts": len(logs), "tokens_compared": compared, "distinct_tokens": len(distinct),
+            "equal": first is None, "first_divergence": first}
 
 
 def eos_ids_of(model) -> set[int]:
@@ -149,6 +205,9 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
     phone = PhoneShapes(ring_full, ring_sliding, max_prompt, mtp_window, capture_point)
     names = list(configs or config.configs)
     decode_configs = [decode_config(n, config) for n in names]
+    if config.backend == "qnn" and (convert_dir is None or not (Path(convert_dir) / "bundle.json").is_file()):
+        raise HycoError(f"check.backend 'qnn' runs both drafters on the QNN HTP from the export stage's bundle, but "
+                        f"{convert_dir}/bundle.json does not exist (add export to the recipe's stages)")
     if config.backend == "onnxruntime":
         needs = {"convert": (convert_dir, any(c.slm_passes for c in decode_configs)),
                  "qat": (qat_dir, any(phone_mtp(c) for c in decode_configs))}
@@ -170,10 +229,10 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
 
 def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
                prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None):
-    from transformers import AutoTokenizer
+    from hyco.loading import load_tokenizer
 
     names = [c.name for c in decode_configs]
-    tok = AutoTokenizer.from_pretrained(tokenizer)
+    tok = load_tokenizer(tokenizer)
     verifier_model = load_model(verifier, "verifier")
     torch_head = config.backend == "torch" or any(c.mtp_on_server for c in decode_configs)
     head = load_model(assistant, "assistant") if torch_head and any(c.mtp_depth for c in decode_configs) else None
@@ -187,22 +246,35 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
     prompt_ids = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=prompts or config.prompts)
     eos = eos_ids_of(verifier_model)
-    results = {}
+    results, lossless = {}, {}
+    greedy = replace(config, temperature=0.0)
+    reference = None  # the verifier's own greedy `generate`, computed once when needed
     for cfg in tqdm(decode_configs, desc="configurations"):
-        logs = decode_all(prompt_ids, cfg, config, phone, verifier=verifier_model, head=head, slm=slm_model,
-                          keep_ids=keep_ids, eos_ids=eos, max_new_tokens=config.max_new_tokens,
-                          convert_dir=convert_dir, qat_dir=qat_dir)
+        run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
+                   max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir)
+        logs = decode_all(prompt_ids, cfg, config, phone, **run)
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
                              "mtp_depth": cfg.mtp_depth, **summarize(logs, None if keep_ids is None else keep_ids.numpy(), config.chain_depth)}
+        if cfg.epsilon >= 1.0:
+            # Evidence for "exact verification is lossless": the same prompts decoded greedily
+            # must commit exactly what the verifier's own greedy `generate` writes.
+            greedy_logs = logs if config.temperature == 0 else decode_all(prompt_ids, cfg, greedy, phone, **run)
+            reference = reference or greedy_generate(verifier_model, prompt_ids, config.max_new_tokens)
+            lossless[cfg.name] = {**compare_with_generate(greedy_logs, reference),
+                                  "accepted_draft_tokens": sum(len(r.accepted_sources) for g in greedy_logs
+                                                               for r in g.rounds)}
     graphs = config.backend == "onnxruntime"
     backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
                 "mtp": "onnxruntime (qat/ mtp_step.onnx, INT4)" if graphs else "torch float (qat/mtp.py)",
                 "verifier": "transformers float32"}
+    if config.backend == "qnn":
+        backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
+                        mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
                 "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
                 "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}
-    return write_report(Path(out), results, settings)
+    return write_report(Path(out), results, settings, lossless)
 
 
 def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:

@@ -1,4 +1,12 @@
-"""The HyCo round loop (Algorithm 1): draft on the phone, verify on the server, hand off, repeat."""
+"""The HyCo round loop (Algorithm 1): draft on the phone, verify on the server, hand off, repeat.
+
+The text ends at its first committed EOS, wherever the round put it: an EOS accepted in the
+middle of a path ends the round there (the accepted tokens after it and the bonus are never
+text), and no further round runs, so MAT and passes per token count only what was committed up
+to and including that EOS. No hand-off follows the last round (the server has nothing left to
+send). A round cut by `max_new_tokens` counts in full: the verifier accepted those tokens, the
+cut is the harness's budget, not the end of the text.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +21,20 @@ from hyco.runtime_check.verifier import ReferenceVerifier
 
 @dataclass
 class RoundLog:
-    accepted_sources: list[str]  # source of each accepted draft token, root to endpoint
-    chain_depth_reached: int  # deepest chain node on the accepted path (0: none)
+    accepted_sources: list[str]  # source of each committed draft token, root to endpoint
+    chain_depth_reached: int  # deepest chain node among them (0: none)
     chain_planted: int  # chain nodes in the tree
-    bonus: int
+    bonus: int | None  # the token sampled at the endpoint; None when an accepted EOS ended the text first
+    unsampled: int  # committed draft tokens the verifier did not sample (accepted by the epsilon threshold)
+    rows_at_epsilon: int  # over every tree row (root included): tokens with p~ >= the probed epsilon
+    top_probability_sum: float  # over every tree row: the largest p~
     tree_nodes: int
     tree_bytes: int
     draft_s: float
 
     @property
     def committed(self) -> int:
-        return len(self.accepted_sources) + 1
+        return len(self.accepted_sources) + (self.bonus is not None)
 
 
 @dataclass
@@ -33,11 +44,20 @@ class DecodeLog:
     rounds: list[RoundLog] = field(default_factory=list)
     wire_per_round: list[int] = field(default_factory=list)
     wire_kv: list[int] = field(default_factory=list)
+    wire_kv_rows: list[int] = field(default_factory=list)  # committed tokens each wire_kv entry covers
     first_reply_bytes: int = 0
 
 
+def first_eos(tokens: list[int], eos_ids: set[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+
+
 def decode(prompt: list[int], verifier: ReferenceVerifier, drafter: TreeDrafter, *, epsilon: float,
-           max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None) -> DecodeLog:
+           max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
+           probe_epsilon: float | None = None) -> DecodeLog:
+    """`probe_epsilon` (default `epsilon`): the threshold whose support size per tree row the log
+    records (`RoundLog.rows_at_epsilon`), so exact configurations report it too."""
+    probe = epsilon if probe_epsilon is None else probe_epsilon
     log = DecodeLog(len(prompt))
     reply = verifier.prefill(prompt, generator)
     drafter.start(prompt, reply)
@@ -47,25 +67,31 @@ def decode(prompt: list[int], verifier: ReferenceVerifier, drafter: TreeDrafter,
         tree = drafter.draft(out[-1])
         draft_s = time.perf_counter() - start
         reply = verifier.verify_tree(tree, epsilon, generator)
-        path = reply.verdict.path
-        drafter.commit([tree.nodes[i].token for i in path], reply)
-        out += reply.verdict.committed_tokens(tree)
-        chain_on_path = [tree.nodes[i].chain_depth for i in path if tree.nodes[i].source == CHAIN]
+        verdict = reply.verdict
+        new = verdict.committed_tokens(tree)
+        eos = first_eos(new, eos_ids)
+        kept = len(new) if eos is None else eos + 1  # tokens this round adds to the text
+        drafted = verdict.path[1:1 + min(kept, verdict.accepted)]  # committed draft nodes
+        out += new[:kept]
         log.rounds.append(RoundLog(
-            accepted_sources=[tree.nodes[i].source for i in path[1:]],
-            chain_depth_reached=max(chain_on_path, default=0),
+            accepted_sources=[tree.nodes[i].source for i in drafted],
+            chain_depth_reached=max((tree.nodes[i].chain_depth for i in drafted if tree.nodes[i].source == CHAIN),
+                                    default=0),
             chain_planted=sum(n.source == CHAIN for n in tree.nodes),
-            bonus=reply.verdict.bonus, tree_nodes=len(tree) - 1, tree_bytes=tree.wire_bytes(), draft_s=draft_s,
+            bonus=verdict.bonus if kept > verdict.accepted else None,
+            unsampled=sum(not s for s in verdict.edge_sampled[:len(drafted)]),
+            rows_at_epsilon=int((reply.probs.double() >= probe).sum()),  # compared as verify_epsilon does
+            top_probability_sum=float(reply.probs.max(-1).values.sum()),
+            tree_nodes=len(tree) - 1, tree_bytes=tree.wire_bytes(), draft_s=draft_s,
         ))
-    for i, token in enumerate(out):
-        if token in eos_ids:
-            out = out[:i + 1]
+        if eos is not None:
             break
+        drafter.commit([tree.nodes[i].token for i in verdict.path], reply)
     log.tokens = out[:max_new_tokens]
     wire = drafter.wire
     if wire:
         log.first_reply_bytes = wire[0].per_round + wire[0].kv
         log.wire_per_round = [w.per_round for w in wire[1:]]
         log.wire_kv = [w.kv for w in wire[1:]]
+        log.wire_kv_rows = [w.kv_rows for w in wire[1:]]
     return log
-

@@ -7,8 +7,8 @@ replies, and the committed tokens. `start(prompt, reply)`, `draft(root) -> Draft
 Backends: the MTP chain and the SLM pass each have a float torch backend here (the fixture
 checkpoints through transformers; the chain through qat/mtp.py), and an onnxruntime backend on
 the graphs the phone ships, with the same interface: the SLM on convert/'s integer graphs
-(slm_onnx.py), the MTP chain on qat/'s mtp_step.onnx (mtp_onnx.py). The QNN HTP backend is a
-slot not built in this version; `check_backend` says so.
+(slm_onnx.py), the MTP chain on qat/'s mtp_step.onnx (mtp_onnx.py); and a QNN HTP backend on an
+export bundle's context binaries (qnn_backend.py: the same drafters, other sessions).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class TreeDrafter:
             before = len(tree)
             for node, (tokens, logprobs) in proposals.items():
                 add_slm_children(tree, node, tokens, logprobs, cfg.slm_edge_cost)
-            added = range(before, len(tree))  # new nodes only (a duplicate returns the old node)
+            added = range(before, len(tree))  # new nodes only (a repeat returns the old node, rescored if higher)
             # Nodes beyond the budget would be trimmed anyway (a child never outscores its
             # parent), so the next pass expands the best new nodes that survive the trim.
             tree, index = trim_with_map(tree, cfg.budget)
@@ -167,6 +167,3 @@ BACKENDS = ("torch", "onnxruntime", "qnn")
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise HycoError(f"check.backend must be one of {list(BACKENDS)}, but got {backend!r}")
-    if backend == "qnn":
-        raise HycoError("check.backend 'qnn': the QNN HTP drafter backend runs on a device with the export "
-                        "stage's context binaries; it is not part of this version (use 'torch' or 'onnxruntime')")

@@ -7,6 +7,11 @@
 - Bytes: the hand-off's fixed part per round (e, h), its K/V part per committed token, the first
   reply, and the tree message per round.
 - Verifier passes per output token (prefill included), drafter time per round.
+- How much the epsilon rule can add: the mean count of tokens with p~ >= epsilon per tree row
+  (root included; every row the verifier evaluated), the mean top probability per row, and the
+  share of committed tokens the verifier did not sample (accepted by the threshold alone; 0 under
+  exact verification). A verifier whose p~ spreads over dozens of tokens above epsilon accepts
+  almost any draft, and a MAT measured there says little about drafting.
 """
 
 from __future__ import annotations
@@ -29,17 +34,23 @@ def summarize(logs: list[DecodeLog], keep_ids: np.ndarray | None, chain_depth: i
                           sum(r.chain_depth_reached >= k - 1 for r in chain_rounds))
                    for k in range(1, len(cumulative) + 1)]
     keep = set(keep_ids.tolist()) if keep_ids is not None else None
-    kv_rows = sum(r.committed for log in logs if log.wire_kv for r in log.rounds)
+    kv_rows = sum(sum(log.wire_kv_rows) for log in logs)
+    committed = sum(r.committed for r in rounds)
+    tree_rows = sum(r.tree_nodes + 1 for r in rounds)
     return {
         "prompts": len(logs),
         "output_tokens": output_tokens,
         "rounds": len(rounds),
         "mat": _avg([r.committed for r in rounds]),
-        "accepted_per_round": _avg([r.committed - 1 for r in rounds]),
+        "accepted_per_round": _avg([len(r.accepted_sources) for r in rounds]),
         "chain_acceptance_cumulative": cumulative,
         "chain_acceptance_conditional": conditional,
         "accepted_share_by_source": {s: _share(accepted.count(s), len(accepted)) for s in SOURCES},
-        "bonus_outside_keep_share": _share(sum(r.bonus not in keep for r in rounds), len(rounds)) if keep else 0.0,
+        "bonus_outside_keep_share": (_share(sum(r.bonus is not None and r.bonus not in keep for r in rounds),
+                                            sum(r.bonus is not None for r in rounds)) if keep else 0.0),
+        "tokens_at_epsilon_per_row": _share(sum(r.rows_at_epsilon for r in rounds), tree_rows),
+        "top_probability_per_row": _share(sum(r.top_probability_sum for r in rounds), tree_rows),
+        "committed_unsampled_share": _share(sum(r.unsampled for r in rounds), committed),
         # None where nothing crosses the link (no MTP head, or the head runs on the server).
         "handoff_bytes_per_round": _avg([b for log in logs for b in log.wire_per_round]) if kv_rows else None,
         "handoff_kv_bytes_per_committed_token": _share(sum(sum(log.wire_kv) for log in logs), kv_rows) if kv_rows else None,

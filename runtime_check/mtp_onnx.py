@@ -30,14 +30,16 @@ FLOAT_TWIN = "mtp_step.float.onnx"
 
 class MtpChainOnnx(HandoffWindow):
     def __init__(self, qat_dir: Path, *, keep_ids: torch.Tensor | None, window: int, capture_point: str,
-                 quantize_wire: bool, graph: str = STEP_GRAPH):
+                 quantize_wire: bool, graph: str = STEP_GRAPH, spec_key: str = STEP_GRAPH, open_session=None):
+        """`spec_key`: the step graph's io_spec key; `open_session(graph)` returns an object with
+        onnxruntime's `run(names, feeds)` (default: onnxruntime CPU on qat_dir/graph)."""
         qat_dir = Path(qat_dir)
         if not (qat_dir / "io_spec.json").is_file():
             raise HycoError(f"{qat_dir}/io_spec.json not found (run the qat stage first)")
         specs = read_io_spec(qat_dir / "io_spec.json")
-        if STEP_GRAPH not in specs or not (qat_dir / graph).is_file():
+        if spec_key not in specs or (open_session is None and not (qat_dir / graph).is_file()):
             raise HycoError(f"{qat_dir}: no {graph} in io_spec.json or on disk (run the qat stage first)")
-        spec = specs[STEP_GRAPH]  # the float twin has the same interface
+        spec = specs[spec_key]  # the float twin has the same interface
         meta = spec.meta
         # The ring, the hand-off's rows and h_t must be what the graph was built and trained for.
         if int(meta["window"]) != window:
@@ -55,7 +57,7 @@ class MtpChainOnnx(HandoffWindow):
                             f"the check's keep set ({len(keep_ids)} tokens)")
         super().__init__(window=window, quantize_wire=quantize_wire)
         self.spec, self.lut, self.keep_ids = spec, lut, keep_ids
-        self.session = ort_session(qat_dir / graph)
+        self.session = open_session(graph) if open_session else ort_session(qat_dir / graph)
         self.outputs = [t.name for t in spec.outputs]
 
     def propose(self, depth: int, topk: int) -> Draft:

@@ -22,13 +22,17 @@ from hyco.io_spec import read_io_spec
 
 
 class SlmOnnx:
-    def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, ring_full: int | None = None):
+    def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, ring_full: int | None = None,
+                 graphs: tuple[str, str] = ("tree.onnx", "prefill.onnx"), open_session=None):
+        """`graphs`: the tree and prefill graphs' io_spec keys; `open_session(key)` returns an
+        object with onnxruntime's `run(names, feeds)` (default: onnxruntime CPU on that file;
+        runtime_check/qnn_backend.py passes the QNN HTP context binaries of an export bundle)."""
         convert_dir = Path(convert_dir)
         specs = read_io_spec(convert_dir / "io_spec.json")
-        for name in ("tree.onnx", "prefill.onnx"):
-            if name not in specs or not (convert_dir / name).is_file():
+        for name in graphs:
+            if name not in specs or (open_session is None and not (convert_dir / name).is_file()):
                 raise HycoError(f"{convert_dir}: no {name} (run the convert stage first)")
-        self.tree_spec, self.prefill_spec = specs["tree.onnx"], specs["prefill.onnx"]
+        self.tree_spec, self.prefill_spec = specs[graphs[0]], specs[graphs[1]]
         meta = self.tree_spec.meta
         if keep_ids is None and meta.get("keep_set"):
             raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx predicts over the keep set {meta['keep_set']}; "
@@ -41,8 +45,8 @@ class SlmOnnx:
             raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx has {sorted(full_slots)} full-attention ring slots, "
                             f"but the check expects convert.ring_full {ring_full}")
         self.keep_ids = keep_ids.numpy() if keep_ids is not None else None
-        self.tree_session = ort_session(convert_dir / "tree.onnx")
-        self.prefill_session = ort_session(convert_dir / "prefill.onnx")
+        open_session = open_session or (lambda name: ort_session(convert_dir / name))
+        self.tree_session, self.prefill_session = open_session(graphs[0]), open_session(graphs[1])
         self.embed = EmbeddingLut.open(convert_dir / "luts" / "embed_tokens.safetensors")
         per_layer = convert_dir / "luts" / "embed_tokens_per_layer.safetensors"
         self.per_layer = EmbeddingLut.open(per_layer) if per_layer.is_file() else None

@@ -36,6 +36,8 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
         paths[name] = path
     if "vocab" in recipe.stages:
         paths["vocab"] = stage_dir(run_dir, "vocab")
+    if recipe.check.backend == "qnn":  # both drafters read the export bundle (graphs, LUTs, rope, io_spec)
+        paths["convert"] = paths["qat"] = stage_dir(run_dir, "export") / "bundle"
     if recipe.check.backend == "onnxruntime":
         paths["convert"] = stage_dir(run_dir, "convert")
         paths["qat"] = stage_dir(run_dir, "qat")

@@ -14,7 +14,7 @@ log-probability to the edge cost. The trim keeps the best `budget` nodes, closed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,15 +42,32 @@ class DraftTree:
 
     def add(self, parent: int, token: int, score: float, source: str, chain_depth: int = 0) -> int:
         """Append a child; a token already drafted under the same parent is not added twice (the
-        verifier checks each (parent, token) edge once) and the existing node's index is returned."""
-        key = (parent, int(token))
-        if key in self._child_by_token:
-            return self._child_by_token[key]
+        verifier checks each (parent, token) edge once) and the existing node's index is returned.
+
+        A repeat that scores higher takes the node over with its source: an SLM candidate at
+        p = 0.9 repeating the depth-1 runner-up (2 ln r) scores ln r + ln 0.9, and the node must
+        carry that score into the trim. The node's descendants move by the same amount, since
+        their scores were built on top of it (ties keep the first: the chain wins at equal score)."""
         if score > self.nodes[parent].score:
             raise ValueError(f"a child's score ({score}) cannot exceed its parent's ({self.nodes[parent].score})")
+        key = (parent, int(token))
+        if key in self._child_by_token:
+            index = self._child_by_token[key]
+            if score > self.nodes[index].score:
+                self._rescore(index, float(score), source, chain_depth)
+            return index
         self.nodes.append(Node(int(token), parent, self.nodes[parent].depth + 1, float(score), source, chain_depth))
         self._child_by_token[key] = len(self.nodes) - 1
         return len(self.nodes) - 1
+
+    def _rescore(self, index: int, score: float, source: str, chain_depth: int) -> None:
+        shift = {index: score - self.nodes[index].score}
+        self.nodes[index] = replace(self.nodes[index], score=score, source=source, chain_depth=chain_depth)
+        for i in range(index + 1, len(self.nodes)):  # parents come first: one pass reaches every descendant
+            node = self.nodes[i]
+            if node.parent in shift:
+                shift[i] = shift[node.parent]
+                self.nodes[i] = replace(node, score=node.score + shift[i])
 
     def child_with_token(self, parent: int, token: int) -> int | None:
         return self._child_by_token.get((parent, int(token)))

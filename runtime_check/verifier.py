@@ -7,7 +7,17 @@ the K/V of the root and the accepted path in its cache, and returns the hand-off
 round (section 3.1): e(bonus) as the assistant consumes it, h at the path's endpoint (the row the
 bonus was sampled from) at the recipe's capture point, and the K/V rows of the last full and last
 sliding layer for the newly committed tokens. The first reply (after the prompt's prefill) carries
-the K/V rows of the prompt's last `window` positions (section 3.4).
+the K/V rows of the prompt's last `window` positions (section 3.4), or of the whole prompt
+(`window=None`) for a head that runs on the server (Cloud+MTP).
+
+Later rounds hand off the K/V rows of the committed tokens only (the root and the accepted path,
+at their own positions), and the head applies its sliding window by position. That is the
+intended behaviour, the phone's: it is what `hyco.handoff.handoff_states` computes over the
+committed text, and what qat/ trains on. transformers' `SinglePositionMultiTokenCandidateGenerator`
+agrees with it only while the sequence is shorter than the verifier's sliding window: it slices
+the verifier's cache to the new length, so a rejected candidate's row stays at t + 1, and once
+the sliding layer's cache has dropped old rows that slice no longer lines up with positions and
+also passes the rows of rejected candidates (tests/test_handoff.py shows both).
 """
 
 from __future__ import annotations
@@ -52,12 +62,12 @@ class Reply:
 
 
 class ReferenceVerifier:
-    def __init__(self, model, sampling: Sampling, *, capture_point: str = "after_norm", window: int = 1024):
+    def __init__(self, model, sampling: Sampling, *, capture_point: str = "after_norm", window: int | None = 1024):
         self.model = model
         self.runner = CachedTreeModel(model)
         self.sampling = sampling
         self.capture_point = capture_point
-        self.window = window  # K/V rows of the prompt the first reply carries
+        self.window = window  # K/V rows of the prompt the first reply carries (None: all of them)
 
     def _handoff(self, out: PassOutput, rows: list[int], endpoint: int, root: int) -> Handoff:
         """Hand-off after a pass: K/V of `rows` (the newly committed ones), h at row `endpoint`."""
@@ -74,7 +84,8 @@ class ReferenceVerifier:
     def prefill(self, prompt: list[int], generator: torch.Generator | None) -> Reply:
         out = self.runner.prefill(prompt)  # the verifier prefills the whole prompt
         root = int(sample_rows(self.sampling.probs(out.logits), generator)[0])
-        rows = list(range(max(0, len(prompt) - self.window), len(prompt)))
+        first = 0 if self.window is None else max(0, len(prompt) - self.window)
+        rows = list(range(first, len(prompt)))
         return Reply(root, self._handoff(out, rows, 0, root))
 
     def verify_tree(self, tree: DraftTree, epsilon: float, generator: torch.Generator | None) -> Reply:

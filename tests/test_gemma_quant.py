@@ -66,30 +66,59 @@ def test_quantize_rows_in_range_and_no_worse_than_absmax(bits):
         assert err < 0.9 * plain_err
 
 
-def test_bits_for_module_matches_transformers_first_match_wins():
+def _transformers_bits(names, configs, default_bits):
+    """Bit widths transformers' own replace_with_quant_layers gives modules named `names`."""
     from transformers.utils.quantization_config import GemmaQuantizationConfig
 
-    configs = {"embed_tokens_per_layer": {"num_bits": 4}, "embed_tokens": {"num_bits": 8},
-               r"(^|\.)layers\.1\.mlp\.": {"num_bits": 2}, r"mlp\.down_proj": {"num_bits": 8}}
-
-    class Toy(torch.nn.Module):
+    class Toy(torch.nn.Module):  # a module tree whose named_modules() are exactly `names`
         def __init__(self):
             super().__init__()
-            self.embed_tokens = torch.nn.Embedding(10, 8)
-            self.embed_tokens_per_layer = torch.nn.Embedding(10, 8)
-            self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({
-                "mlp": torch.nn.ModuleDict({"up_proj": torch.nn.Linear(8, 8), "down_proj": torch.nn.Linear(8, 8)}),
-                "o_proj": torch.nn.Linear(8, 8)}) for _ in range(2))
+            for name in names:
+                parent = self
+                *path, leaf = name.split(".")
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, torch.nn.Module())
+                    parent = getattr(parent, part)
+                is_embed = "embed" in leaf
+                parent.add_module(leaf, torch.nn.Embedding(10, 8) if is_embed else torch.nn.Linear(8, 8))
 
     toy = Toy()
-    names = [n for n, m in toy.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Embedding)]
-    hf.replace_with_quant_layers(toy, GemmaQuantizationConfig(num_bits=4, quantize_embeddings=True,
+    hf.replace_with_quant_layers(toy, GemmaQuantizationConfig(num_bits=default_bits, quantize_embeddings=True,
                                                               module_quant_configs=configs))
-    for name in names:
-        assert toy.get_submodule(name).num_bits == bits_for_module(name, configs, 4), name
-    assert bits_for_module("layers.1.mlp.down_proj", configs, 4) == 2  # listed before mlp.down_proj: wins
-    assert bits_for_module("layers.0.mlp.down_proj", configs, 4) == 8
-    assert bits_for_module("embed_tokens_per_layer", configs, 4) == 4
+    return {name: toy.get_submodule(name).num_bits for name in names}
+
+
+@pytest.mark.parametrize("configs, name, expected", [
+    # The issue's case: the leftmost match in the name wins, not the first pattern listed.
+    ({r"mlp\.down_proj": {"num_bits": 8}, r"layers\.1\.": {"num_bits": 2}}, "model.layers.1.mlp.down_proj", 2),
+    ({r"layers\.1\.": {"num_bits": 2}, r"mlp\.down_proj": {"num_bits": 8}}, "model.layers.1.mlp.down_proj", 2),
+    ({r"mlp\.down_proj": {"num_bits": 8}, r"layers\.1\.": {"num_bits": 2}}, "model.layers.0.mlp.down_proj", 8),
+    # Same start: the first listed wins (so embed_tokens_per_layer must precede embed_tokens).
+    ({"embed_tokens_per_layer": {"num_bits": 4}, "embed_tokens": {"num_bits": 8}}, "model.embed_tokens_per_layer", 4),
+    ({"embed_tokens": {"num_bits": 8}, "embed_tokens_per_layer": {"num_bits": 4}}, "model.embed_tokens_per_layer", 8),
+    ({"embed_tokens": {"num_bits": 8}}, "model.layers.0.mlp.up_proj", 4),  # no match: the default
+    ({"up_proj": {}}, "model.layers.0.mlp.up_proj", 4),  # an override without num_bits keeps the default
+])
+def test_bits_for_module_is_transformers_rule(configs, name, expected):
+    from hyco.convert.load import module_bits
+
+    assert bits_for_module(name, configs, 4) == expected
+    assert module_bits(name, {"num_bits": 4, "module_quant_configs": configs}) == expected  # one rule everywhere
+    assert _transformers_bits([name], configs, 4)[name] == expected
+
+
+def test_bits_for_module_agrees_with_transformers_on_a_module_tree():
+    configs = {"embed_tokens_per_layer": {"num_bits": 4}, "embed_tokens": {"num_bits": 8},
+               r"mlp\.down_proj": {"num_bits": 8}, r"(^|\.)layers\.1\.": {"num_bits": 2},
+               r"\.self_attn\.(k_proj|v_proj)$": {"num_bits": 8}, r"^lm_head$": {"num_bits": 8}}
+    names = ["model.embed_tokens", "model.embed_tokens_per_layer", "lm_head"] + [
+        f"model.layers.{i}.{m}" for i in range(3)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj", "mlp.down_proj")]
+    theirs = _transformers_bits(names, configs, 4)
+    ours = {n: bits_for_module(n, configs, 4) for n in names}
+    assert ours == theirs
+    assert ours["model.layers.1.mlp.down_proj"] == 2 and ours["model.layers.0.mlp.down_proj"] == 8
 
 
 def _write_checkpoint(folder, tensors, quant_method="gemma", num_bits=4):
@@ -133,3 +162,16 @@ def test_qat_checkpoint_truncated_file(tmp_path):
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(HycoError, match="model.safetensors"):
         QatCheckpoint(tmp_path / "t").linear("lin", 10)
+
+
+def test_convert_refuses_a_pattern_that_is_not_a_regex(tiny_family, tmp_path):
+    import shutil
+
+    from hyco.convert.load import read_checkpoint
+
+    ck = shutil.copytree(tiny_family["slm"], tmp_path / "slm")
+    config = json.loads((ck / "config.json").read_text())
+    config["quantization_config"]["module_quant_configs"]["(lm_head"] = {"num_bits": 8}
+    (ck / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HycoError, match=r"config\.json: quantization_config\.module_quant_configs key '\(lm_head' is not"):
+        read_checkpoint(ck)

@@ -140,3 +140,66 @@ def test_wire_quantization_roundtrip():
     err = np.abs(dequantize_kv_rows(q, scale) - x)
     assert (err <= scale.astype(np.float32) * 0.5 + 1e-6).all()  # half a step per row
     assert q.nbytes + scale.nbytes == kv_wire_bytes(2, 7, 16)
+
+
+def test_past_the_sliding_window_the_handoff_carries_committed_rows_only(models):
+    """Intended behaviour (runtime_check/verifier.py): every round hands the head the K/V rows of
+    the committed tokens only, at their own positions, and the head's sliding window is applied by
+    position; so past the window our live hand-off and chain equal `handoff_states` over the
+    committed text (what qat/ trains on). transformers' candidate generator does otherwise there:
+    it hands the head its verifier's sliding cache, which past the window holds the last rows of
+    the sequence the verifier processed, rejected candidates included; that is shown here too."""
+    from hyco.runtime_check.configs import decode_config
+    from hyco.runtime_check.decode import decode
+    from hyco.runtime_check.drafters import MtpChainTorch, TreeDrafter
+    from hyco.runtime_check.verifier import ReferenceVerifier, Sampling
+    from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+    from hyco.recipe import CheckConfig
+
+    verifier, head = models
+    prompt = _prompt(5, seed=2)
+    # transformers: record the sliding K/V each round hands the head, and what the verifier ran over.
+    passed = []
+    orig = SinglePositionMultiTokenCandidateGenerator.get_candidates
+
+    def record(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw):
+        cand, logits = orig(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
+        if logits is not None:
+            k = model_outputs.shared_kv_states["sliding_attention"][0][0, :, :input_ids.shape[1]]
+            passed.append((input_ids.shape[1], k.clone(), cand[0].clone()))
+        return cand, logits
+
+    SinglePositionMultiTokenCandidateGenerator.get_candidates = record
+    try:
+        verifier.generate(prompt, assistant_model=head, max_new_tokens=SLIDING_WINDOW + 16, do_sample=False)
+    finally:
+        SinglePositionMultiTokenCandidateGenerator.get_candidates = orig
+    past = [(n, k, prev[2]) for (n, k, _), prev in zip(passed[1:], passed, strict=False) if n > SLIDING_WINDOW + 4]
+    assert len(past) >= 8
+    for n, k, processed in past:
+        # The rows handed over are the last rows of what the verifier just ran (the previous
+        # round's candidates), reaching past the n committed tokens: rejected candidates' rows.
+        ran = handoff_states(verifier, processed).kv["sliding_attention"][0]
+        assert k.shape[1] < n and len(processed) > n
+        torch.testing.assert_close(k, ran[:, len(processed) - k.shape[1]:], atol=1e-4, rtol=0)
+
+    # Ours: a chain-only tree drafted by the head from the live hand-off, greedy, past the window.
+    cfg = decode_config("cloud-mtp", CheckConfig(temperature=0.0))
+    mtp = MtpChainTorch(head, verifier, keep_ids=None, window=None, quantize_wire=False)
+    chains = []
+    propose = mtp.propose
+    mtp.propose = lambda depth, topk: chains.append((mtp.last.position, dict(mtp.kv), propose(depth, topk))) or chains[-1][2]
+    log = decode(prompt[0].tolist(), ReferenceVerifier(verifier, Sampling(0.0, 64, 0.95), window=None),
+                 TreeDrafter(cfg, mtp, None), epsilon=1.0, max_new_tokens=SLIDING_WINDOW + 16, eos_ids=set(),
+                 generator=None)
+    final = handoff_states(verifier, torch.tensor(prompt[0].tolist() + log.tokens))
+    embed = lambda x: embed_tokens(verifier, x)
+    late = [c for c in chains if c[0] > SLIDING_WINDOW + 4]
+    assert len(late) >= 8
+    for position, kv, draft in chains:
+        t = position - 1
+        for layer_type, (k, v) in kv.items():  # exactly the committed positions 0..t
+            torch.testing.assert_close(k, final.kv[layer_type][0][:, :t + 1], atol=1e-4, rtol=0)
+            torch.testing.assert_close(v, final.kv[layer_type][1][:, :t + 1], atol=1e-4, rtol=0)
+        assert draft.tokens.tolist() == draft_chain(head, embed, final.at(t), depth=4).tokens.tolist(), position

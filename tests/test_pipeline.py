@@ -9,6 +9,7 @@ import pytest
 from hyco.cli import main
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
+STAGES = ["fixtures", "vocab", "convert", "qat", "calibrate", "check"]  # the tiny recipe's, in order
 # The tiny recipe itself with its costly parts cut: no distillation (minutes), few prompts,
 # two QAT steps. Every stage and every code path between them still runs.
 SMALL = [
@@ -34,7 +35,7 @@ def run_dir(tmp_path_factory):
 def test_every_stage_writes_its_folder_and_manifest(run_dir):
     report = json.loads((run_dir / "run_report.json").read_text())
     stages = [s["stage"] for s in report["stages"]]
-    assert stages == ["fixtures", "vocab", "convert", "qat", "check"]
+    assert stages == STAGES
     for name in stages:
         manifest = json.loads((run_dir / name / "manifest.json").read_text())
         assert manifest["stage"] == name and manifest["outputs"]
@@ -46,7 +47,15 @@ def test_every_stage_writes_its_folder_and_manifest(run_dir):
 
 
 def test_the_stages_hand_each_other_their_artifacts(run_dir):
-    assert json.loads((run_dir / "convert" / "bitexact.json").read_text())
+    # Every linear of every graph carries the checkpoint's integers and scales, bit for bit.
+    bitexact = json.loads((run_dir / "convert" / "bitexact.json").read_text())
+    weights = set(json.loads((run_dir / "convert" / "encodings.json").read_text())["weights"])
+    assert bitexact["all_equal"] is True
+    assert set(bitexact["graphs"]) == {"tree.onnx", "prefill.onnx"}
+    for graph, rows in bitexact["graphs"].items():
+        assert set(rows) == weights and "lm_head" in rows, graph
+        for source, row in rows.items():
+            assert row["ints_equal"] is True and row["scales_equal"] is True, (graph, source)
     assert (run_dir / "convert" / "tree.onnx").is_file() and (run_dir / "qat" / "mtp_step.onnx").is_file()
     check = json.loads((run_dir / "check" / "report.json").read_text())
     text = json.dumps(check)
@@ -54,15 +63,18 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
         assert f'"{name}"' in text
     # the check ran the phone's drafters on the integer graphs, as the tiny recipe asks
     assert "onnxruntime" in text
+    # and says whether the exact configurations decoded losslessly (greedy, against `generate`)
+    assert set(check["lossless"]) == {"hyco-exact", "cloud-mtp"}
+    assert all(v["equal"] is True and v["tokens_compared"] > 0 for v in check["lossless"].values())
 
 
 def test_rerun_skips_and_a_changed_section_rebuilds(run_dir, capsys):
     before = json.loads((run_dir / "vocab" / "manifest.json").read_text())
     assert main(["run", str(RECIPE), "--out", str(run_dir), *_set(SMALL)]) == 0
     out = capsys.readouterr().out
-    assert out.count("skipped (manifest matches)") == 5
+    assert out.count("skipped (manifest matches)") == len(STAGES)
     assert json.loads((run_dir / "vocab" / "manifest.json").read_text()) == before
     # a changed section reruns its stage and the stages that read it
     assert main(["run", str(RECIPE), "--out", str(run_dir), *_set(SMALL), "--set", "check.max_new_tokens=6"]) == 0
     out = capsys.readouterr().out
-    assert out.count("skipped (manifest matches)") == 4 and "[check] built" in out
+    assert out.count("skipped (manifest matches)") == len(STAGES) - 1 and "[check] built" in out

@@ -173,6 +173,32 @@ def test_stage_writes_the_drafter(qat_run):
     report = json.loads((out / "report.json").read_text())
     assert set(report["agreement"]) >= {"w4_ptq", "w4_qat", "w8_ptq"}
     assert len(report["history"]) == 8
+    # answers.json's stats are those of answers.jsonl; greedy text of this random verifier is a
+    # newline loop, and the report and summary say so.
+    from collections import Counter
+
+    from hyco.answers import read_answers
+
+    records = read_answers(out / "answers.jsonl")
+    assert {r["source"] for r in records} == {"greedy"} and {r["split"] for r in records} == {"train", "eval"}
+    counts = Counter(t for r in records if r["split"] == "train" for t in r["answer_ids"])
+    stats = json.loads((out / "answers.json").read_text())["stats"]["train"]
+    assert (stats["tokens"], stats["distinct_tokens"]) == (sum(counts.values()), len(counts))
+    assert stats["top_share"] == pytest.approx(counts.most_common(1)[0][1] / sum(counts.values()), abs=1e-6)
+    assert stats["degenerate"] and report["answers"]["warnings"]
+    assert "**Warning:** train answers are degenerate" in (out / "summary.md").read_text()
+
+
+def test_htp_legal_step_graph(qat_run):
+    """mtp_step.onnx obeys the HTP rules the SLM graphs do (tests/htp_rules.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from htp_rules import htp_violations
+
+    root, _ = qat_run
+    assert htp_violations(root / "qat" / "mtp_step.onnx") == []
 
 
 def test_qat_lowers_kl_against_the_float_head(qat_run):
@@ -198,6 +224,12 @@ def test_graph_parity_in_report(qat_run):
     assert parity["quant_vs_quantsim_weights_max_abs_logprob"] < 1e-3
     assert parity["quant_vs_quantsim_weights_top1_match"] == 1.0
     assert parity["quant_vs_quantsim_max_abs_logprob"] < 0.25 and parity["quant_top1_match"] >= 6 / 8
+    # The strict proof (qat/stage.py step_graph_proof): the graph rounds only its inputs, so on its own
+    # rounded inputs it equals MtpStep with the student's integer weights to summation order.
+    proof = parity["step_graph_proof"]
+    assert parity["passed"] and proof["passed"] and proof["topk_ids_equal"] == 1.0, parity["failure"]
+    assert proof["max_abs_logprob"] <= 1e-4 and proof["max_rel_next_hidden"] <= 1e-4
+    assert {"token_embed", "hidden", "k_full", "mask_full", "cos_full"} <= set(proof["rounded_inputs"])
 
 
 def test_int4_initializers_equal_head_w4(qat_run):
@@ -242,3 +274,122 @@ def test_cli_bad_input_exits_2_without_output(qat_run, tmp_path, capsys):
     assert main(args) == 2
     assert "verifier checkpoint not found" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+# --- answers (hyco/answers.py): the text qat trains on and calibrate reads ------------------------
+
+
+def test_answer_stats_flag_degenerate_text(tmp_path):
+    """Stats per split; a split whose top token is over half the tokens, or with fewer than 20
+    distinct tokens, is flagged, warned about and named in answers.json."""
+    from hyco.answers import ANSWERS, ANSWERS_REPORT, DegenerateAnswersWarning, read_answers, write_answers
+
+    loop = [9] * 30 + [10, 11]  # a greedy loop: 94% one token
+    varied = list(range(40, 80))  # 40 distinct tokens, top share 2.5%
+    records = [{"id": "a", "index": 0, "split": "train", "source": "greedy", "prompt_ids": [1, 2], "answer_ids": varied},
+               {"id": "b", "index": 1, "split": "eval", "source": "greedy", "prompt_ids": [1, 3], "answer_ids": loop}]
+    with pytest.warns(DegenerateAnswersWarning, match="eval answers are degenerate: 3 distinct tokens over 32"):
+        report = write_answers(tmp_path, records, {"source": "greedy"})
+    stats = json.loads((tmp_path / ANSWERS_REPORT).read_text())["stats"]
+    assert stats["train"] == {"answers": 1, "tokens": 40, "distinct_tokens": 40, "top_token": 40, "top_share": 0.025,
+                              "degenerate": False}
+    assert stats["eval"]["top_token"] == 9 and stats["eval"]["top_share"] == pytest.approx(30 / 32, abs=1e-6)
+    assert stats["eval"]["degenerate"] and stats["all"]["distinct_tokens"] == 43
+    assert len(report["warnings"]) == 1 and report["format"] == 1
+    assert read_answers(tmp_path / ANSWERS) == records
+    # 19 distinct tokens, evenly spread: still too few to say anything
+    with pytest.warns(DegenerateAnswersWarning, match="19 distinct tokens over 57"):
+        write_answers(tmp_path, [{**records[0], "answer_ids": list(range(19)) * 3}], {})
+    (tmp_path / ANSWERS).write_text('{"id": "a", "split": "train", "prompt_ids": [1]}\n')
+    with pytest.raises(HycoError, match=r"answers.jsonl: line 1 is not an answer record"):
+        read_answers(tmp_path / ANSWERS)
+
+
+def test_recipe_answers_section():
+    from hyco.recipe import AnswersConfig, load_recipe
+
+    assert AnswersConfig().source == "greedy"  # the paper's source stays the default
+    assert load_recipe("recipes/tiny.yaml", ["answers.temperature=0.7"]).answers.temperature == 0.7
+    for bad, message in (("answers.source=beam", "answers.source must be one of"),
+                         ("answers.temperature=0", "answers.temperature must be > 0"),
+                         ("answers.top_p=1.5", "answers.top_p must be in")):
+        with pytest.raises(HycoError, match=message):
+            load_recipe("recipes/tiny.yaml", [bad])
+
+
+def test_corpus_answers_are_the_templates_rendering(tiny_family):
+    """The corpus source: prompt + answer are exactly the chat template's rendering of the first
+    exchange, cut after the end-of-turn marker; longer answers are cut at max_new_tokens."""
+    from transformers import AutoTokenizer
+
+    from hyco.answers import corpus_answer_ids, prompt_ids
+    from hyco.fixtures.tokenizer import EOS_IDS
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    turns = [["system", "Be brief."], ["user", "  Name three rivers. "], ["assistant", " Nile, Amazon, Danube.\n"],
+             ["user", "More?"], ["assistant", "Volga."]]
+    prompt = prompt_ids(tok, turns, 1000)
+    answer = corpus_answer_ids(tok, turns, 1000, EOS_IDS)
+    full = tok.apply_chat_template([{"role": "user", "content": turns[1][1]}, {"role": "assistant", "content": turns[2][1]}],
+                                   tokenize=True, return_dict=False)
+    assert prompt + answer == full[:len(prompt) + len(answer)] and answer[-1] in EOS_IDS
+    assert tok.decode(answer[:-1]) == "Nile, Amazon, Danube."  # the template trims the content
+    assert corpus_answer_ids(tok, turns, 3, EOS_IDS) == answer[:3]
+    assert corpus_answer_ids(tok, [["user", "Hi"]], 10, EOS_IDS) == []
+
+
+def test_sampled_answers_are_reproducible_and_not_greedy(tiny_family):
+    """Sampled answers: the same records on a rerun (one seed per prompt), text other than the
+    greedy answer, every answer cut at its first EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hyco.answers import eos_ids_of, generate_answers
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    verifier = AutoModelForCausalLM.from_pretrained(str(tiny_family["verifier"]), dtype=torch.float32).eval()
+    prompts = [{"id": str(i), "index": i, "split": "train", "turns": [["user", text]]}
+               for i, text in enumerate(["Tell me about the sea.", "What is 2 + 2?", "Write a haiku."])]
+
+    def run(source, seed=0):
+        return list(generate_answers(verifier, tok, prompts, source=source, max_new_tokens={"train": 12},
+                                     max_prompt_tokens=32, seed=seed))
+
+    sampled = run("sampled")
+    assert sampled == run("sampled") and sampled != run("sampled", seed=1)
+    greedy = run("greedy")
+    assert [a["answer_ids"] for a in sampled] != [a["answer_ids"] for a in greedy]
+    eos = set(eos_ids_of(verifier))
+    for a in sampled + greedy:
+        assert 1 <= len(a["answer_ids"]) <= 12 and not eos & set(a["answer_ids"][:-1])
+    assert {a["source"] for a in sampled} == {"sampled"} and {a["source"] for a in greedy} == {"greedy"}
+
+
+@pytest.mark.slow
+def test_qat_beats_ptq_on_the_tiny_recipes_natural_text(tiny_family_distilled, tmp_path):
+    """The tiny recipe's qat and answers sections on the distilled family: the answers are natural
+    text (not the greedy newline loops the paper's source gives this weak verifier), and on the
+    held-out evaluation answers W4 QAT lowers KL(float head || student) below clip-searched W4 PTQ."""
+    import dataclasses
+
+    from hyco.qat.stage import build_qat
+    from hyco.vocab.stage import build_vocab
+
+    from hyco.recipe import load_recipe
+
+    family = tiny_family_distilled
+    recipe = load_recipe("recipes/tiny.yaml")
+    assert recipe.answers.source != "greedy"
+    for name in ("vocab", "qat"):
+        (tmp_path / name).mkdir()
+    build_vocab(tokenizer=family["tokenizer"], dataset=recipe.dataset, out=tmp_path / "vocab",
+                config=dataclasses.replace(recipe.vocab, count_conversations=300, heldout_conversations=20))
+    build_qat(verifier=family["verifier"], assistant=family["assistant"], tokenizer=family["tokenizer"],
+              vocab=tmp_path / "vocab", config=recipe.qat, out=tmp_path / "qat", answers=recipe.answers)
+    report = json.loads((tmp_path / "qat" / "report.json").read_text())
+    stats = report["answers"]["stats"]
+    for split in ("train", "eval"):
+        assert not stats[split]["degenerate"] and stats[split]["top_share"] < 0.2, stats[split]
+        assert stats[split]["distinct_tokens"] >= 100, stats[split]
+    assert report["answers"]["warnings"] == []
+    a = report["agreement"]
+    assert a["w4_qat"]["kl"] < a["w4_ptq"]["kl"], (a["w4_qat"], a["w4_ptq"])

@@ -113,3 +113,26 @@ def test_out_placeholder_expands(tmp_path):
 def test_sections_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         QatConfig().steps = 3
+
+
+@pytest.mark.parametrize("value,ok", [
+    ("{out}/fixtures/slm", True), ("{out}", True), ("/data/gemma", True), ("../models/slm", True),
+    ("{out}/../elsewhere", False), ("{out}/a/../../b", False), ("/x/{out}/slm", False), ("{out}slm", False),
+    ("{out}/a/{out}", False),
+])
+def test_out_paths_must_stay_inside_the_run_folder(tmp_path, value, ok):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: r\nout: runs/r\nstages: [vocab]\nmodels: {{slm: '{value}'}}\n")
+    if ok:
+        assert load_recipe(path).models.slm == value
+    else:
+        with pytest.raises(HycoError, match="models.slm must stay inside the run folder"):
+            load_recipe(path)
+
+
+@pytest.mark.parametrize("text", ["qat: {lr: .nan}", "check: {top_p: .inf}", "check: {epsilon: -.inf}"])
+def test_non_finite_numbers_are_refused(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: r\nout: runs/r\nstages: [vocab]\n{text}\n")
+    with pytest.raises(HycoError, match="must be a finite number"):
+        load_recipe(path)

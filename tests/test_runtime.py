@@ -206,22 +206,46 @@ def test_mtp_drafts_from_the_live_handoff_as_from_a_plain_pass(family, prompt):
     assert not torch.equal(wired.kv[FULL][0], k)
 
 
-# --- decode loop ----------------------------------------------------------------------------
+def test_cloud_mtp_drafts_from_the_whole_prefix(family, prompt, monkeypatch):
+    """Cloud+MTP's head runs on the server and sees every prompt row (Table 5); the phone's head
+    sees the last qat.window rows. With an 8-row phone window (shorter than the prompt), the
+    check gives each configuration its own window, and the server head's chain equals qat's
+    chain from the hand-off over the whole prompt."""
+    from hyco.runtime_check import check as check_module
+    from hyco.runtime_check.check import decode_all, handoff_window
 
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_decode_equals_verifier_generate(family, prompt, name):
-    verifier = family["verifier"]
-    max_new = 16
-    expected = verifier.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new)[0, len(prompt):].tolist()
+    verifier, head = family["verifier"], family["assistant"]
+    small = PhoneShapes(1024, 512, 1024, 8, "after_norm")
     check = CheckConfig(temperature=0.0)
-    cfg = decode_config(name, check)
-    keep = torch.arange(0, verifier.config.vocab_size, 3)  # a restricted keep set: drafts lose tokens, output must not
-    drafter = build_drafter(cfg, check, PHONE, verifier=verifier, head=family["assistant"], slm=family["slm"], keep_ids=keep)
-    log = decode(prompt, ReferenceVerifier(verifier, GREEDY), drafter, epsilon=cfg.epsilon, max_new_tokens=max_new,
-                 eos_ids=eos_ids_of(verifier), generator=torch.Generator().manual_seed(0))
-    assert log.tokens == expected
-    assert all(r.tree_nodes <= cfg.budget for r in log.rounds)
+    assert len(prompt) > 8
+    windows = []
+
+    class Recording(ReferenceVerifier):
+        def __init__(self, *args, window, **kwargs):
+            windows.append(window)
+            super().__init__(*args, window=window, **kwargs)
+
+    monkeypatch.setattr(check_module, "ReferenceVerifier", Recording)
+    for name in ("cloud-mtp", "hyco-exact"):
+        decode_all([prompt], decode_config(name, check), check, small, verifier=verifier, head=head,
+                   slm=family["slm"], keep_ids=None, eos_ids=set(), max_new_tokens=2)
+    assert windows == [None, 8]
+    drafts = {}
+    for name, rows in (("cloud-mtp", len(prompt)), ("hyco-exact", 8)):
+        cfg = decode_config(name, check)
+        drafter = build_drafter(cfg, check, small, verifier=verifier, head=head, slm=family["slm"], keep_ids=None)
+        reply = ReferenceVerifier(verifier, GREEDY, window=handoff_window(cfg, small)).prefill(prompt, None)
+        drafter.start(prompt, reply)
+        assert [k.shape[1] for k, _ in drafter.mtp.kv.values()] == [rows, rows], name
+        drafts[name] = drafter.mtp.propose(4, topk=2)
+    states = handoff_states(verifier, torch.tensor(prompt + [reply.root]), "after_norm")
+    whole = draft_chain(head, verifier.get_input_embeddings(), states.at(len(prompt) - 1), 4, topk=2)
+    assert drafts["cloud-mtp"].tokens.tolist() == whole.tokens.tolist()
+    torch.testing.assert_close(drafts["cloud-mtp"].topk_logprobs, whole.topk_logprobs, atol=1e-4, rtol=0)
+    assert not torch.allclose(drafts["hyco-exact"].topk_logprobs, whole.topk_logprobs, atol=1e-4)  # 8 rows differ
+
+
+# --- decode loop ----------------------------------------------------------------------------
 
 
 def test_oracle_slm_gets_every_chain_token_accepted(family, prompt):
@@ -251,6 +275,112 @@ def test_sampled_decode_is_seeded_and_stays_in_support(family, prompt):
     assert runs[0] == runs[1]
     greedy = verifier.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=None)
     assert runs[0] != greedy[0, len(prompt):].tolist()  # temperature 1 over a random verifier: not greedy
+
+
+class ScriptedDrafter:
+    """Drafts the given chains, one per round, and records what the loop commits."""
+
+    def __init__(self, chains):
+        self.chains, self.commits, self.wire = list(chains), [], []
+
+    def start(self, prompt, reply):
+        pass
+
+    def commit(self, tokens, reply):
+        self.commits.append(tokens)
+
+    def draft(self, root):
+        from hyco.runtime_check.tree import SLM, DraftTree
+
+        tree, parent = DraftTree(root), 0
+        for token in self.chains.pop(0):
+            parent = tree.add(parent, token, tree.nodes[parent].score - 1.0, SLM)
+        return tree
+
+
+class ScriptedVerifier:
+    """p~ per tree row from `rows(tree)` ([len(tree), V]); verifies with the real rule."""
+
+    def __init__(self, root, rows, vocab=16):
+        self.root, self.rows, self.vocab = root, rows, vocab
+
+    def prefill(self, prompt, generator):
+        from hyco.runtime_check.verifier import Reply
+
+        return Reply(self.root, None)
+
+    def verify_tree(self, tree, epsilon, generator):
+        from hyco.runtime_check.acceptance import verify
+        from hyco.runtime_check.verifier import Reply
+
+        probs = self.rows(tree)
+        verdict = verify(tree, probs, epsilon, generator)
+        return Reply(verdict.bonus, None, verdict, probs)
+
+
+def one_hot_rows(next_token, vocab=16):
+    """p~ one-hot on next_token(tree, row) at every row."""
+    def rows(tree):
+        return torch.nn.functional.one_hot(torch.tensor([next_token(tree, i) for i in range(len(tree))]), vocab).float()
+    return rows
+
+
+def follow_the_chain(bonus):
+    """The verifier's sample at every row is the drafted child (all accepted), then `bonus`."""
+    return one_hot_rows(lambda tree, i: tree.nodes[i + 1].token if i + 1 < len(tree) else bonus)
+
+
+def test_decode_stops_at_an_eos_accepted_mid_path():
+    """EOS (1) is the second of four accepted drafts: the text ends there, the round counts the two
+    tokens up to the EOS (no bonus), no further round runs and no hand-off follows."""
+    from hyco.runtime_check.metrics import summarize
+
+    drafter = ScriptedDrafter([[5, 1, 7, 8], [9, 9, 9, 9]])
+    log = decode([2, 3], ScriptedVerifier(3, follow_the_chain(bonus=9)), drafter, epsilon=1.0, max_new_tokens=32,
+                 eos_ids={1}, generator=None)
+    assert log.tokens == [3, 5, 1]
+    assert len(log.rounds) == 1 and log.rounds[0].committed == 2 and log.rounds[0].bonus is None
+    summary = summarize([log], None, 4)
+    assert summary["mat"] == 2.0 and summary["output_tokens"] == 3 and summary["accepted_per_round"] == 2.0
+    assert summary["verifier_passes_per_output_token"] == pytest.approx(2 / 3)  # prefill + one round
+    assert len(drafter.chains) == 1 and drafter.commits == []  # no second round, no hand-off after the end
+    # Without an EOS id the same script runs on: the whole path and the bonus are committed.
+    drafter = ScriptedDrafter([[5, 1, 7, 8], [4, 4, 4, 4]])
+    log = decode([2, 3], ScriptedVerifier(3, follow_the_chain(bonus=9)), drafter, epsilon=1.0, max_new_tokens=7,
+                 eos_ids=set(), generator=None)
+    assert log.tokens == [3, 5, 1, 7, 8, 9, 4] and [r.committed for r in log.rounds] == [5, 5]
+
+
+def test_decode_stops_at_an_eos_bonus_and_counts_it():
+    log = decode([2, 3], ScriptedVerifier(3, follow_the_chain(bonus=1)), ScriptedDrafter([[5, 6], [7]]), epsilon=1.0,
+                 max_new_tokens=32, eos_ids={1}, generator=None)
+    assert log.tokens == [3, 5, 6, 1] and [r.committed for r in log.rounds] == [3] and log.rounds[0].bonus == 1
+
+
+def test_epsilon_figures_count_threshold_acceptances_and_support():
+    """Row 0 puts 0.99 on 4 and 0.01 on the drafted 5: at epsilon 0.005 the threshold alone
+    accepts 5 (the verifier sampled 4); row 1 samples the drafted 6, row 2 the bonus 9. So one of
+    three committed tokens was not sampled, and rows hold 2, 1, 1 tokens at or above epsilon."""
+    from hyco.runtime_check.metrics import summarize
+
+    def rows(tree):
+        probs = torch.zeros(len(tree), 16)
+        probs[0, 4], probs[0, 5] = 0.99, 0.01
+        probs[1, 6] = probs[2, 9] = 1.0
+        return probs
+
+    log = decode([2, 3], ScriptedVerifier(3, rows), ScriptedDrafter([[5, 6]]), epsilon=0.005, max_new_tokens=4,
+                 eos_ids=set(), generator=torch.Generator().manual_seed(0))
+    assert log.tokens == [3, 5, 6, 9]
+    assert log.rounds[0].unsampled == 1 and log.rounds[0].rows_at_epsilon == 4
+    summary = summarize([log], None, 4)
+    assert summary["committed_unsampled_share"] == pytest.approx(1 / 3)
+    assert summary["tokens_at_epsilon_per_row"] == pytest.approx(4 / 3)
+    assert summary["top_probability_per_row"] == pytest.approx((0.99 + 1 + 1) / 3)
+    # exact verification on the same rows rejects 5: nothing unsampled is ever committed
+    exact = decode([2, 3], ScriptedVerifier(3, rows), ScriptedDrafter([[5, 6]]), epsilon=1.0, max_new_tokens=2,
+                   eos_ids=set(), generator=torch.Generator().manual_seed(0), probe_epsilon=0.005)
+    assert exact.tokens == [3, 4] and exact.rounds[0].unsampled == 0 and exact.rounds[0].rows_at_epsilon == 4
 
 
 @torch.no_grad()
@@ -517,30 +647,6 @@ def test_int4_step_graph_stays_within_4bit_weight_noise(family, mtp_graphs, keep
     assert kept_top1 >= 6 and compared >= 8
 
 
-@pytest.mark.parametrize("name", ["hyco-exact", "hyco-2p"])
-def test_greedy_decode_with_both_drafters_on_onnxruntime(family, slm_graphs, mtp_graphs, keep, long_prompt, name):
-    """`check.backend: onnxruntime`: the SLM Drafter on convert/'s graphs and the MTP Drafter on
-    qat/'s INT4 mtp_step.onnx, both over the keep set. Exact verification under greedy sampling
-    commits the verifier's own greedy `generate` output whatever the drafters propose."""
-    from hyco.runtime_check.mtp_onnx import MtpChainOnnx
-    from hyco.runtime_check.slm_onnx import SlmOnnx
-
-    verifier = family["verifier"]
-    check = CheckConfig(temperature=0.0, backend="onnxruntime")
-    cfg = decode_config(name, check)
-    drafter = build_drafter(cfg, check, GRAPH_PHONE, verifier=verifier, head=None, slm=None, keep_ids=keep,
-                            convert_dir=slm_graphs, qat_dir=mtp_graphs)
-    assert isinstance(drafter.mtp, MtpChainOnnx) and isinstance(drafter.slm, SlmOnnx)
-    max_new = 24
-    log = decode(long_prompt, ReferenceVerifier(verifier, GREEDY, window=WINDOW), drafter, epsilon=cfg.epsilon,
-                 max_new_tokens=max_new, eos_ids=eos_ids_of(verifier), generator=None)
-    expected = verifier.generate(torch.tensor([long_prompt]), do_sample=False,
-                                 max_new_tokens=max_new)[0, len(long_prompt):].tolist()
-    assert log.tokens == expected
-    assert all(r.tree_nodes <= cfg.budget for r in log.rounds)
-    assert sum(r.chain_planted for r in log.rounds) == 4 * len(log.rounds)  # the graph's chain was planted
-
-
 def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):
     from hyco.runtime_check.check import run_check
 
@@ -578,3 +684,119 @@ def test_slm_graph_refuses_another_ring(slm_graphs, keep):
 
     with pytest.raises(HycoError, match=r"\[128\] full-attention ring slots, but the check expects convert.ring_full 64"):
         SlmOnnx(slm_graphs, keep_ids=keep, max_prompt=128, ring_full=64)
+
+
+# --- greedy losslessness where drafts are accepted: the distilled family -------------------------
+#
+# On the undistilled family no draft is ever accepted, so "exact greedy decoding equals the
+# verifier's own generate" would hold for any drafter. The distilled family's drafters agree with
+# its verifier, so these runs accept drafts (asserted) and the equality is evidence. They hold no
+# MAT figure of the fixture: only that drafts were accepted at all.
+
+EXACT = [name for name in CONFIGS if decode_config(name, CheckConfig()).epsilon >= 1]
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_family_distilled):
+    return {name: load_model(tiny_family_distilled[name], what)
+            for name, what in (("verifier", "verifier"), ("assistant", "assistant"), ("slm", "SLM"))}
+
+
+@pytest.fixture(scope="module")
+def distilled_prompts(tiny_family_distilled, long_prompt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_family_distilled["tokenizer"])
+    ids = tok.apply_chat_template([{"role": "user", "content": "What are some good ways to learn a new language?"}],
+                                  add_generation_prompt=True, tokenize=True)
+    return [long_prompt, list(ids["input_ids"])]
+
+
+@pytest.fixture(scope="module")
+def distilled_keep(phone_vocab, tiny_family, tiny_family_distilled, distilled):
+    """The vocab stage's keep set (built on the same tokenizer) for the distilled graphs."""
+    from hyco.runtime_check.check import _keep_ids
+
+    assert (tiny_family_distilled["tokenizer"] / "tokenizer.json").read_bytes() == \
+        (tiny_family["tokenizer"] / "tokenizer.json").read_bytes()
+    return _keep_ids(phone_vocab, tiny_family_distilled["tokenizer"],
+                     distilled["verifier"].config.get_text_config().vocab_size)
+
+
+def assert_greedy_lossless(verifier, drafters, prompts, cfg, window, max_new=24) -> int:
+    """Greedy decoding with exact verification commits the verifier's own greedy `generate`
+    output on every prompt; returns the number of accepted draft tokens."""
+    accepted = 0
+    for prompt, drafter in zip(prompts, drafters, strict=True):
+        log = decode(prompt, ReferenceVerifier(verifier, GREEDY, window=window), drafter, epsilon=cfg.epsilon,
+                     max_new_tokens=max_new, eos_ids=eos_ids_of(verifier), generator=torch.Generator().manual_seed(0))
+        expected = verifier.generate(torch.tensor([prompt]), do_sample=False,
+                                     max_new_tokens=max_new)[0, len(prompt):].tolist()
+        assert log.tokens == expected, cfg.name
+        assert all(r.tree_nodes <= cfg.budget for r in log.rounds)
+        accepted += sum(len(r.accepted_sources) for r in log.rounds)
+    return accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*EXACT, "hyco"])
+def test_greedy_decode_equals_verifier_generate(distilled, distilled_prompts, distilled_keep, name):
+    """Float drafters (torch) over the vocab stage's keep set: the output is the verifier's own,
+    and drafts were accepted, so the equality says something. Every exact configuration, and
+    HyCo's epsilon rule too (greedy p~ is one-hot: the threshold accepts only the verifier's token)."""
+    from hyco.runtime_check.check import handoff_window
+
+    check = CheckConfig(temperature=0.0)
+    cfg = decode_config(name, check)
+    drafters = [build_drafter(cfg, check, PHONE, verifier=distilled["verifier"], head=distilled["assistant"],
+                              slm=distilled["slm"], keep_ids=distilled_keep) for _ in distilled_prompts]
+    accepted = assert_greedy_lossless(distilled["verifier"], drafters, distilled_prompts, cfg,
+                                      handoff_window(cfg, PHONE))
+    assert accepted > 0, name
+
+
+@pytest.fixture(scope="module")
+def distilled_graphs(tiny_family_distilled, phone_vocab, tmp_path_factory):
+    """convert's SLM graphs and qat's step graph built from the distilled family, with the
+    settings of `slm_graphs` and `mtp_graphs`."""
+    from hyco.convert.stage import convert
+    from hyco.qat.stage import build_qat
+
+    from hyco.recipe import ConvertConfig, QatConfig
+
+    family = tiny_family_distilled
+    slm_out, qat_out = tmp_path_factory.mktemp("convert-distilled"), tmp_path_factory.mktemp("qat-distilled")
+    convert(checkpoint=family["slm"], out=slm_out, tokenizer=family["tokenizer"], keep_set=phone_vocab / "keep_set.json",
+            config=ConvertConfig(parity=False, prefill_chunk=16, ring_full=128, ring_sliding=64, max_prompt=128))
+    build_qat(verifier=family["verifier"], assistant=family["assistant"], tokenizer=family["tokenizer"],
+              vocab=phone_vocab, out=qat_out,
+              config=QatConfig(steps=2, lr=3e-4, warmup_steps=2, max_new_tokens_train=40, max_new_tokens_eval=24,
+                               max_prompt_tokens=48, window=WINDOW, calibration_sequences=1))
+    torch.set_num_threads(1)  # the qat stage may have changed it
+    return {"convert": slm_out, "qat": qat_out}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*EXACT, "hyco-2p"])
+def test_greedy_decode_on_onnxruntime_accepts_drafts_and_equals_generate(distilled, distilled_graphs, distilled_keep,
+                                                                          distilled_prompts, name):
+    """`check.backend: onnxruntime`: the SLM Drafter on convert/'s graphs and the phone's MTP
+    Drafter on qat/'s INT4 mtp_step.onnx (Cloud+MTP's head stays float on the server), all from
+    the distilled family. Exact verification under greedy sampling commits the verifier's own
+    greedy `generate` output, and the graphs' drafts were accepted. (hyco-2p too: greedy p~ is
+    one-hot, so its epsilon rule accepts only the verifier's own token.)"""
+    from hyco.runtime_check.check import handoff_window
+    from hyco.runtime_check.mtp_onnx import MtpChainOnnx
+    from hyco.runtime_check.slm_onnx import SlmOnnx
+
+    check = CheckConfig(temperature=0.0, backend="onnxruntime")
+    cfg = decode_config(name, check)
+    drafters = [build_drafter(cfg, check, GRAPH_PHONE, verifier=distilled["verifier"], head=distilled["assistant"],
+                              slm=None, keep_ids=distilled_keep, convert_dir=distilled_graphs["convert"],
+                              qat_dir=distilled_graphs["qat"]) for _ in distilled_prompts]
+    d = drafters[0]
+    assert isinstance(d.slm, SlmOnnx) == bool(cfg.slm_passes)
+    assert isinstance(d.mtp, MtpChainOnnx) == (bool(cfg.mtp_depth) and not cfg.mtp_on_server)
+    accepted = assert_greedy_lossless(distilled["verifier"], drafters, distilled_prompts, cfg,
+                                      handoff_window(cfg, GRAPH_PHONE))
+    assert accepted > 0, name

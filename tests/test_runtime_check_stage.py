@@ -3,9 +3,12 @@
 import json
 
 import pytest
+import torch
 import yaml
+from hyco.runtime_check.configs import decode_config
 
 from hyco.cli import main
+from hyco.recipe import CheckConfig
 
 CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp"]
 
@@ -31,10 +34,26 @@ def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_pa
     report = json.loads((out / "report.json").read_text())
     assert list(report["configs"]) == CONFIGS
     for name, r in report["configs"].items():
-        assert 1.0 <= r["mat"] <= 1 + (4 if name != "specedge" else 4) + 1
+        cfg = decode_config(name, CheckConfig())
+        # A round commits at most the tree's depth + the bonus: the chain's K nodes plus one level
+        # per SLM pass (SpecEdge: passes only; Cloud+MTP: the chain only).
+        assert 1.0 <= r["mat"] <= cfg.mtp_depth + cfg.slm_passes + 1, name
         assert 0 < r["output_tokens"] <= 2 * 8
         assert r["rounds"] >= 1
         assert r["verifier_passes_per_output_token"] <= 1.0 + 1e-9  # a round commits at least one token
+        assert 1.0 <= r["tokens_at_epsilon_per_row"] and 0 < r["top_probability_per_row"] <= 1.0
+        if cfg.epsilon >= 1:
+            assert r["committed_unsampled_share"] == 0.0  # exact verification commits only samples
+    # Every exact configuration was also decoded greedily and compared with `generate`.
+    exact = [n for n in CONFIGS if decode_config(n, CheckConfig()).epsilon >= 1]
+    assert list(report["lossless"]) == exact == ["hyco-exact", "specedge", "cloud-mtp"]
+    for name in exact:
+        v = report["lossless"][name]
+        assert v["prompts"] == 2 and 2 <= v["tokens_compared"] <= 2 * 8
+        assert v["equal"] is True and v["first_divergence"] is None, (name, v)
+    md = (out / "report.md").read_text()
+    assert "- hyco-exact: " in md and "- cloud-mtp: " in md and "identical, lossless." in md and "NOT identical" not in md
+    assert "not comparable" in md and "| paper_mat |" in md and "paper_mat" not in md.split("## The paper")[0]
     assert report["configs"]["specedge"]["handoff_bytes_per_round"] is None  # no MTP head, no hand-off
     assert report["configs"]["cloud-mtp"]["handoff_bytes_per_round"] is None  # the head is on the server
     assert report["configs"]["hyco"]["handoff_bytes_per_round"] == 2 * (128 + 2)  # verifier hidden 128
@@ -42,6 +61,32 @@ def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_pa
     assert "| hyco-2p |" in (out / "report.md").read_text()
     assert (out / "check.png").stat().st_size > 1000
     assert "MAT per configuration" in capsys.readouterr().out
+
+
+def test_a_divergence_from_generate_is_reported_with_its_margin(tmp_path):
+    """`compare_with_generate` names the first differing prompt and token, with the verifier's
+    logit margin there, and report.md says so in words."""
+    from hyco.runtime_check.check import compare_with_generate
+    from hyco.runtime_check.decode import DecodeLog
+    from hyco.runtime_check.report import write_report
+
+    logits = torch.zeros(4, 10)
+    logits[2, 7], logits[2, 5] = 3.0, 2.5
+    same, other = DecodeLog(5, tokens=[1, 2, 3, 4]), DecodeLog(5, tokens=[1, 2, 5, 4])
+    reference = [([1, 2, 3, 4], logits), ([1, 2, 7, 4], logits)]
+    assert compare_with_generate([same, same], [reference[0], reference[0]]) == {
+        "prompts": 2, "tokens_compared": 8, "distinct_tokens": 4, "equal": True, "first_divergence": None}
+    verdict = compare_with_generate([same, other], reference)
+    assert verdict["equal"] is False and verdict["tokens_compared"] == 8 and verdict["distinct_tokens"] == 5
+    assert verdict["first_divergence"] == {"prompt": 1, "position": 2, "ours": 5, "generate": 7, "logit_margin": 0.5}
+    short = compare_with_generate([DecodeLog(5, tokens=[1, 2])], [reference[0]])  # ours stopped early
+    assert short["first_divergence"] == {"prompt": 0, "position": 2, "ours": None, "generate": 3, "logit_margin": None}
+    settings = {"prompts": 2, "prompt_tokens_mean": 5.0, "keep_set": None, "vocab_size": 10,
+                "check": {"max_new_tokens": 4, "temperature": 1.0, "top_k": 64, "top_p": 0.95, "epsilon": 0.005}}
+    write_report(tmp_path, {}, settings, {"specedge": {**verdict, "accepted_draft_tokens": 3}})
+    assert ("- specedge: 8 tokens over 2 prompts (5 distinct in generate's text), 3 of them accepted drafts: NOT "
+            "identical: prompt 1 first differs "
+            "at output token 2 (ours 5, generate 7, verifier logit margin there 0.5).") in (tmp_path / "report.md").read_text()
 
 
 def test_check_via_run_and_one_config(tiny_family, tmp_path):

@@ -12,6 +12,7 @@ from hyco.runtime_check.tree import (
     DraftTree,
     add_slm_children,
     plant_chain,
+    sibling_score,
     trim,
 )
 
@@ -112,3 +113,25 @@ def test_ancestor_mask_and_wire_bytes():
 
 def _closed(tree: DraftTree) -> bool:
     return all(0 <= n.parent < i for i, n in enumerate(tree.nodes) if i > 0)
+
+
+def test_duplicate_draft_keeps_the_higher_score_and_its_source():
+    """The issue's case: an SLM candidate at p = 0.9 that repeats the depth-1 runner-up scores
+    ln r + ln 0.9, above the sibling's 2 ln r; the merged node keeps that score and the SLM as
+    its source, so the trim keeps it over a weaker SLM candidate (p = 0.7). A lower-scoring
+    repeat (the SLM's y_1 at p = 0.3) leaves the chain node as it was."""
+    tree = DraftTree(root_token=100)
+    chain = plant_chain(tree, [11, 12, 13, 14], runner_ups={1: 21}, rate=0.66)
+    sibling = tree.child_with_token(0, 21)
+    below = tree.add(sibling, 41, sibling_score(0.0, 0.66) + math.log(0.5), SLM)  # drafted under the sibling
+    assert tree.nodes[sibling].score == pytest.approx(2 * LN)
+    merged = add_slm_children(tree, 0, [21, 31, 11], [math.log(0.9), math.log(0.7), math.log(0.3)], edge_cost=LN)
+    assert merged[0] == sibling and len(tree) == 1 + 4 + 1 + 1 + 1  # 21 and 11 merged, 31 new
+    assert tree.nodes[sibling].score == pytest.approx(LN + math.log(0.9)) and tree.nodes[sibling].source == SLM
+    # its descendant moves with it: its score was built on the sibling's
+    assert tree.nodes[below].score == pytest.approx(LN + math.log(0.9) + math.log(0.5))
+    assert tree.nodes[chain[0]].source == CHAIN and tree.nodes[chain[0]].score == pytest.approx(LN)
+    assert tree.nodes[chain[0]].chain_depth == 1
+    kept = trim(tree, 2)
+    assert sorted(kept.tokens[1:]) == [11, 21]  # 31 (ln r + ln 0.7) is trimmed, not the merged 21
+    assert kept.nodes[kept.child_with_token(0, 21)].source == SLM

@@ -26,7 +26,10 @@ BYTES = [f"<0x{b:02X}>" for b in range(256)]
 # Ordinary pieces after the 24 specials and 256 bytes: ids 280.. in this order.
 PIECES = ["a", "b", "c", "d", "e", "f", "ab", "cd", "가", "한", "국", "한국"]
 ID = {t: i for i, t in enumerate(SPECIALS + BYTES + PIECES)}
-N_ALWAYS = 24 + 256 + 4  # specials, bytes, the four Hangul pieces
+VOCAB_LEN = len(SPECIALS) + 256 + len(PIECES)
+# Always kept: 5 special (pad, eos, bos, unk, mask) + 2 chat markers (<|turn>, <turn|>, which the
+# template emits) + 256 bytes + the four Hangul pieces; the 17 <unusedN> placeholders are left out.
+N_ALWAYS = 5 + 2 + 256 + 4
 TEMPLATE = ("{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
             "{{ m['content'] | trim }}<turn|>\n{% endfor %}")
 
@@ -96,7 +99,7 @@ def hand_corpus(tmp_path_factory) -> Path:
 def test_hand_tokenizer_tokenizes_as_designed(hand_tokenizer):
     tok = load_tokenizer(hand_tokenizer)
     assert tok("ab ab cd 한국 z", add_special_tokens=False)["input_ids"] == [ID["ab"], ID["ab"], ID["cd"], ID["한국"], ID["<0x7A>"]]
-    assert len(tok) == N_ALWAYS + 8
+    assert len(tok) == VOCAB_LEN
 
 
 @pytest.mark.parametrize(("size", "expected_frequent"), [
@@ -105,21 +108,23 @@ def test_hand_tokenizer_tokenizes_as_designed(hand_tokenizer):
     (N_ALWAYS + 3, ["ab", "cd", "e"]),
     (N_ALWAYS + 4, ["ab", "cd", "e", "f"]),
     (N_ALWAYS + 6, ["a", "b", "ab", "cd", "e", "f"]),  # then zero counts, by id
+    (VOCAB_LEN - 15, PIECES[:8] + ["<unused0>", "<unused1>"]),  # uncounted placeholders come last
 ])
 def test_exact_keep_set_on_hand_corpus(hand_tokenizer, hand_corpus, tmp_path, size, expected_frequent):
     out = tmp_path / "vocab"
     assert main(vocab_args(hand_tokenizer, hand_corpus, out, size, "--count-conversations", "3")) == 0
     keep = json.loads((out / "keep_set.json").read_text())
-    always = list(range(24 + 256)) + [ID[t] for t in ("가", "한", "국", "한국")]
+    always = list(range(7)) + list(range(24, 24 + 256)) + [ID[t] for t in ("가", "한", "국", "한국")]
     assert keep["token_ids"] == sorted(always + [ID[t] for t in expected_frequent])
     assert keep["size"] == size and len(keep["token_ids"]) == size
-    assert keep["categories"] == {"special": 24, "byte": 256, "script": 4, "frequent": len(expected_frequent)}
+    assert keep["categories"] == {"special": 5, "chat": 2, "placeholder": 0, "byte": 256, "script": 4,
+                                  "frequent": len(expected_frequent)}
     assert keep["counted"] == 3 and keep["reserved"] == []
     counts = np.load(out / "token_counts.npy")
     assert {t: int(counts[ID[t]]) for t in ("ab", "cd", "e", "f", "d", "<0x7A>")} == {
         "ab": 3, "cd": 3, "e": 2, "f": 1, "d": 0, "<0x7A>": 1}
     k2v, v2k = np.load(out / "keep_to_vocab.npy"), np.load(out / "vocab_to_keep.npy")
-    assert k2v.dtype == np.int32 and v2k.dtype == np.int32 and len(v2k) == N_ALWAYS + 8
+    assert k2v.dtype == np.int32 and v2k.dtype == np.int32 and len(v2k) == VOCAB_LEN
     assert k2v.tolist() == keep["token_ids"]
     assert [int(v2k[i]) for i in k2v] == list(range(size)) and int((v2k == -1).sum()) == len(v2k) - size
     for name in ("report.json", "coverage.png", "summary.md", "prompts.jsonl", "manifest.json"):
@@ -370,7 +375,7 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(hand_tokenizer, hand_
         "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(5)])
     run_bad(capsys, vocab_args(hand_tokenizer, no_answers, out, N_ALWAYS + 1), out, "no assistant turns")
     run_bad(capsys, vocab_args(hand_tokenizer, hand_corpus, out, N_ALWAYS - 1), out, f"must be >= the always-kept tokens ({N_ALWAYS}")
-    run_bad(capsys, vocab_args(hand_tokenizer, hand_corpus, out, N_ALWAYS + 9), out, f"must be <= the vocabulary ({N_ALWAYS + 8})")
+    run_bad(capsys, vocab_args(hand_tokenizer, hand_corpus, out, VOCAB_LEN + 1), out, f"must be <= the vocabulary ({VOCAB_LEN})")
     no_bytes = write_hand_tokenizer(tmp_path / "no_bytes", with_bytes=False)
     run_bad(capsys, vocab_args(no_bytes, hand_corpus, out, N_ALWAYS + 1), out, "no byte tokens")
     run_bad(capsys, vocab_args(tmp_path / "missing_tok", hand_corpus, out, N_ALWAYS + 1), out, "tokenizer folder not found")
@@ -427,7 +432,9 @@ def test_fixture_tokenizer_keeps_every_always_kept_category(tiny_family, tmp_pat
     keep = load_keep_set(out, tokenizer=tok)
     kept = set(keep.token_ids.tolist())
     cats = keep.meta["categories"]
-    assert cats["special"] == 24 and cats["byte"] == 256 and cats["script"] > 0 and cats["frequent"] > 0
+    # The fixture's 24 Gemma-4-style specials: <bos>, <|turn>, <turn|> are the template's markers.
+    assert cats["special"] == 21 and cats["chat"] == 3 and cats["placeholder"] == 0
+    assert cats["byte"] == 256 and cats["script"] > 0 and cats["frequent"] > 0
     assert sum(cats.values()) == 1345
     assert set(tok.all_special_ids) <= kept
     assert set(tok.convert_tokens_to_ids(list(BYTE_TOKENS))) <= kept
@@ -489,3 +496,77 @@ def test_heldout_split_and_prompt_reader(hand_tokenizer, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"id": "x", "turns": []}\n')
     with pytest.raises(HycoError, match="line 1 is not a prompt conversation"):
         load_prompts(tmp_path / "bad.jsonl")
+
+
+# --- special tokens, chat markers and placeholders ---------------------------------------------
+
+
+def test_placeholders_left_out_unless_the_recipe_keeps_them(hand_tokenizer, hand_corpus, tmp_path):
+    out = tmp_path / "default"
+    assert main(vocab_args(hand_tokenizer, hand_corpus, out, N_ALWAYS + 2, "--count-conversations", "3")) == 0
+    keep = json.loads((out / "keep_set.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    unused = [ID[f"<unused{i}>"] for i in range(17)]
+    assert not set(unused) & set(keep["token_ids"])
+    a = report["always_kept"]
+    assert a["chat_markers"] == ["<|turn>", "<turn|>"] and a["special_tokens"] == ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    assert a["placeholders_in_tokenizer"] == 17 and a["placeholders_left_out"] == 17
+    assert a["placeholder_occurrences_counted"] == 0
+    summary = (out / "summary.md").read_text()
+    assert "5 special + 2 chat-template markers + 0 placeholder + 256 byte + 4 script + 2 frequent" in summary
+    assert "Left out: 17 placeholder tokens" in summary
+    kept = tmp_path / "kept"
+    assert main(vocab_args(hand_tokenizer, hand_corpus, kept, N_ALWAYS + 17 + 2, "--count-conversations", "3",
+                           "--keep-placeholders")) == 0
+    keep2 = json.loads((kept / "keep_set.json").read_text())
+    assert keep2["categories"]["placeholder"] == 17 and set(unused) <= set(keep2["token_ids"])
+    assert set(keep2["token_ids"]) == set(keep["token_ids"]) | set(unused)  # same top-up, plus the 17
+    assert json.loads((kept / "report.json").read_text())["always_kept"]["placeholders_left_out"] == 0
+
+
+def test_chat_markers_come_from_the_template(hand_tokenizer):
+    from hyco.vocab.keepset import always_kept, chat_marker_ids
+
+    tok = load_tokenizer(hand_tokenizer)
+    ids, how = chat_marker_ids(tok)
+    assert ids.tolist() == [ID["<|turn>"], ID["<turn|>"]] and "probe renderings" in how
+    tok.chat_template = None  # no template: the markers are plain special tokens, still kept
+    cats = always_kept(tok, ("hangul",), "hand")
+    assert len(cats["chat"]) == 0 and cats["special"].tolist() == list(range(7))
+    assert always_kept(tok, (), "hand", keep_placeholders=True)["placeholder"].tolist() == list(range(7, 24))
+
+
+REAL_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gemma-tokenizer"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REAL_TOKENIZER / "tokenizer.json").is_file(),
+                    reason=f"the real Gemma tokenizer is not on this machine ({REAL_TOKENIZER} is absent)")
+def test_real_gemma_tokenizer_categories(tmp_path, monkeypatch):
+    """The real 262K Gemma (3) tokenizer: 10 special tokens (3 of them the chat template's markers)
+    are kept, its 6,242 <unusedN> placeholders are not, its 4,678 Hangul pieces are. Counted on
+    40 packaged ShareGPT conversations only, and the 33 MB tokenizer is loaded once, to stay fast."""
+    from hyco.vocab import stage
+    from hyco.vocab.keepset import always_kept
+
+    tok = load_tokenizer(REAL_TOKENIZER)
+    monkeypatch.setattr(stage, "load_tokenizer", lambda path: tok if Path(path) == REAL_TOKENIZER else None)
+    out = _mk(tmp_path / "vocab")
+    size = 5_000
+    build_vocab(tokenizer=REAL_TOKENIZER, dataset=DatasetConfig(), out=out,
+                config=VocabConfig(size=size, count_conversations=40, reserved_train=1, reserved_eval=1,
+                                   heldout_conversations=5))
+    keep = load_keep_set(out, tokenizer=tok)
+    cats, a = keep.meta["categories"], json.loads((out / "report.json").read_text())["always_kept"]
+    assert cats["chat"] == 3 and set(a["chat_markers"]) == {"<bos>", "<start_of_turn>", "<end_of_turn>"}
+    assert cats["special"] == 7 and set(a["special_tokens"]) == {
+        "<pad>", "<eos>", "<unk>", "<mask>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"}
+    assert (cats["placeholder"], cats["byte"], cats["script"]) == (0, 256, 4_678)
+    assert cats["frequent"] == size - 10 - 256 - 4_678
+    assert a["placeholders_in_tokenizer"] == 6_242 and a["placeholders_left_out"] == 6_242
+    assert a["added_tokens"] == 6_415 and a["added_tokens_kept_by_frequency_only"] == 6_415 - 6_242 - 10
+    kept = set(keep.token_ids.tolist())
+    assert not kept & set(tok.convert_tokens_to_ids([f"<unused{i}>" for i in range(6_242)]))
+    assert {tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")} <= kept
+    # The switch: the same tokenizer with keep_placeholders has them all as a category.
+    assert len(always_kept(tok, ("hangul",), "real", keep_placeholders=True)["placeholder"]) == 6_242

@@ -17,7 +17,8 @@ _DEFAULT = VocabConfig()
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "vocab", help="build the keep set (restricted output vocabulary) and reserve prompt conversations",
-        description="Keep every special, byte and always-kept-script token, then the tokens most frequent in "
+        description="Keep every special token (placeholders such as <unusedN> only with --keep-placeholders), the "
+        "chat template's markers, the byte tokens and every always-kept-script token, then the tokens most frequent in "
         "the assistant turns of the counted conversations, until the set has exactly --size tokens. Writes "
         "keep_set.json, keep_to_vocab.npy, vocab_to_keep.npy, prompts.jsonl (reserved prompt conversations, "
         "never counted), report.json and coverage.png (held-out share outside the keep set) into --out.")
@@ -40,6 +41,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="held-out conversations for the coverage report")
     p.add_argument("--scripts", default=",".join(_DEFAULT.always_scripts),
                    help="comma-separated scripts always kept (default: hangul); empty for none")
+    p.add_argument("--keep-placeholders", action="store_true",
+                   help="also always keep reserved placeholder tokens such as <unusedN> (default: left out; "
+                   "no chat text produces them)")
     p.add_argument("--seed", type=int, default=_DEFAULT.seed, help="seed of the conversation selection")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
@@ -56,6 +60,7 @@ def _cmd_vocab(args: argparse.Namespace) -> int:
             _DEFAULT, size=args.size, count_conversations=args.count_conversations,
             reserved_train=args.reserved_train, reserved_eval=args.reserved_eval,
             heldout_conversations=args.heldout_conversations, seed=args.seed,
+            keep_placeholders=args.keep_placeholders,
             always_scripts=tuple(s.strip() for s in args.scripts.split(",") if s.strip()))
         dataset = DatasetConfig(source=args.dataset, schema=args.schema, split=args.split, heldout_split=args.heldout_split)
     except ValueError as e:

@@ -1,7 +1,10 @@
 """One streaming pass over the chat corpus: deal conversations to disjoint pools, count tokens.
 
 Pools: `count` (the keep set's frequency counts), `train` / `eval` (reserved prompt
-conversations for QAT and calibration, never counted), `heldout` (the coverage report). Each
+conversations for QAT and calibration, never counted), `heldout` (the coverage report). The
+`eval` pool takes the first eligible conversations of the evaluation partition (hyco/splits.py),
+which the `train` pool and the fixtures' distillation never read, so evaluation prompts are
+unseen by construction (the rest of the partition may be counted or held out). Each
 conversation read goes to exactly one pool, drawn with a seeded generator in proportion to the
 places each pool still has, so the pools are disjoint by construction, interleave along the
 stream, and the pass stops once every pool is full: memory holds token counts (one int64 per
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyco.chat import Conversation
+from hyco.splits import is_evaluation
 
 POOLS = ("count", "train", "eval", "heldout")
 _PROBE = "Probe answer, line one.\nLine two."
@@ -56,7 +60,8 @@ def eligible_pools(conv: Conversation) -> list[str]:
     if answers:
         pools += ["count", "heldout"]
     if answers and prompt:
-        pools += ["train", "eval"]
+        # The evaluation partition gives the eval prompts and no training prompt; the rest the reverse.
+        pools += ["eval"] if is_evaluation(conv) else ["train"]
     return pools
 
 
@@ -89,6 +94,8 @@ def deal(conversations: Iterable[Conversation], quotas: dict[str, int], seed: in
         room = np.array([quotas[p] - len(state.ids[p]) for p in open_pools], dtype=np.float64)
         # One draw per conversation read, so the deal depends only on the stream and the seed.
         pool = open_pools[int(np.searchsorted(np.cumsum(room) / room.sum(), rng.random(), side="right"))]
+        if "eval" in open_pools:  # the partition is 1 in 8: eval takes its first eligible conversations
+            pool = "eval"
         state.ids[pool].append(conv.id)
         state.indices[pool].append(conv.index)
         if pool in ("train", "eval"):

@@ -15,10 +15,11 @@ from hyco.vocab.keepset import frequency_order
 REFERENCE_LABELS = {21_000: "21K", 45_000: "45K", 86_089: "86K"}
 
 
-def outside_share_curve(counts: np.ndarray, heldout: np.ndarray, always_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def outside_share_curve(counts: np.ndarray, heldout: np.ndarray, always_ids: np.ndarray,
+                        last: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(sizes, outside share) for every keep-set size from the always-kept set to the full vocabulary."""
     total = heldout.sum()
-    order = frequency_order(counts)
+    order = frequency_order(counts, last)
     others = order[~np.isin(order, always_ids)]
     covered = heldout[always_ids].sum() + np.concatenate([[0], np.cumsum(heldout[others])])
     sizes = len(always_ids) + np.arange(len(others) + 1)

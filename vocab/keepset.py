@@ -1,9 +1,18 @@
 """The keep set: which token ids the drafters may predict, and how to read it back.
 
-The set is always-kept tokens (special and added tokens, the 256 byte tokens that can spell any
-string, and every token with a script the recipe protects, e.g. Hangul) topped up with the
-tokens most frequent in counted assistant turns until it has exactly `size` ids. Ties break by
-token id so the set is a pure function of (tokenizer, counts, size).
+The set is always-kept tokens topped up with the tokens most frequent in counted assistant
+turns until it has exactly `size` ids. Ties break by token id so the set is a pure function of
+(tokenizer, counts, size). Always kept, in disjoint categories (first match wins):
+- `byte`: the 256 byte tokens, which can spell any string;
+- `chat`: the special tokens the chat template emits (turn markers, BOS);
+- `special`: the tokenizer's other special tokens (named ones such as EOS and PAD, and added
+  tokens flagged special), except placeholders;
+- `placeholder`: only with `keep_placeholders`: reserved slots such as Gemma's 6,242
+  `<unusedN>`, which no chat text produces (the real Gemma tokenizer would otherwise spend
+  6,000 keep-set places on them); left out, they still compete on their counts like any token;
+- `script`: every token with a script the recipe protects (e.g. Hangul).
+Added tokens that are not special (Gemma's newline, space and tab runs, HTML tags) are ordinary
+text pieces: they are kept by frequency.
 
 On disk (the contract in notes/design.md): `keep_set.json` holds the sorted ids, so a token's
 keep index is its position there; `keep_to_vocab.npy` (int32, size) and `vocab_to_keep.npy`
@@ -28,7 +37,16 @@ KEEP_SET = "keep_set.json"
 KEEP_TO_VOCAB = "keep_to_vocab.npy"
 VOCAB_TO_KEEP = "vocab_to_keep.npy"
 PROMPTS = "prompts.jsonl"
-CATEGORIES = ("special", "byte", "script", "frequent")
+CATEGORIES = ("special", "chat", "placeholder", "byte", "script", "frequent")
+# Reserved slots that a tokenizer registers but no text uses: Gemma's <unusedN>, Llama 3's
+# <|reserved_special_token_N|>, <reserved_N>-style names.
+PLACEHOLDER = re.compile(r"<unused\d+>|<\|reserved_special_token_\d+\|>|<reserved_?\d+>|\[unused\d+\]")
+# Probe conversations rendered through the chat template to see which special tokens it emits.
+_CHAT_PROBES = (
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], False),
+    ([{"role": "user", "content": "Hi"}], True),
+    ([{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}], True),
+)
 BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
 
 # Scripts a recipe can name in `vocab.always_scripts`: a token is kept when its text holds any
@@ -57,15 +75,10 @@ def tokenizer_hash(tokenizer) -> str:
 
 def load_tokenizer(path: str | Path):
     """A fast tokenizer from a local folder, or HycoError naming the folder."""
-    from transformers import AutoTokenizer
+    from hyco.loading import load_tokenizer as load
 
     path = Path(path)
-    if not path.is_dir():
-        raise HycoError(f"tokenizer folder not found: {path}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # transformers raises OSError/ValueError/... for a broken folder
-        raise HycoError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    tokenizer = load(path)
     if not getattr(tokenizer, "is_fast", False):
         raise HycoError(f"{path}: needs a fast tokenizer (tokenizer.json); batch counting relies on it")
     return tokenizer
@@ -81,8 +94,36 @@ def byte_token_ids(tokenizer, where: str) -> np.ndarray:
 
 
 def special_token_ids(tokenizer) -> np.ndarray:
-    ids = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    """The named special tokens (BOS, EOS, PAD, ...) and every added token flagged special."""
+    ids = set(tokenizer.all_special_ids)
+    ids |= {i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", True)}
     return np.array(sorted(ids), dtype=np.int64)
+
+
+def placeholder_ids(tokenizer) -> np.ndarray:
+    """Added tokens named like reserved slots (`PLACEHOLDER`) that no named special token is."""
+    named = set(tokenizer.all_special_ids)
+    ids = {i for i, t in tokenizer.added_tokens_decoder.items() if PLACEHOLDER.fullmatch(t.content) and i not in named}
+    return np.array(sorted(ids), dtype=np.int64)
+
+
+def chat_marker_ids(tokenizer) -> tuple[np.ndarray, str]:
+    """Special tokens the chat template emits around a few probe conversations (turn markers,
+    BOS), and how they were found; none when the tokenizer has no (working) template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return np.zeros(0, dtype=np.int64), "none (tokenizer has no chat template)"
+    special = set(special_token_ids(tokenizer).tolist())
+    found, rendered = set(), 0
+    for messages, generation in _CHAT_PROBES:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        except Exception:  # a template may refuse a probe (e.g. a system turn); the others still count
+            continue
+        rendered += 1
+        found |= {i for i in tokenizer(text, add_special_tokens=False)["input_ids"] if i in special}
+    if not rendered:
+        return np.zeros(0, dtype=np.int64), "none (the chat template rendered no probe conversation)"
+    return np.array(sorted(found), dtype=np.int64), f"special tokens in {rendered} probe renderings of the chat template"
 
 
 def script_token_ids(tokenizer, scripts: tuple[str, ...]) -> np.ndarray:
@@ -98,23 +139,55 @@ def script_token_ids(tokenizer, scripts: tuple[str, ...]) -> np.ndarray:
     return np.array([i for i, tok in enumerate(tokens) if tok and pattern.search(tok)], dtype=np.int64)
 
 
-def always_kept(tokenizer, scripts: tuple[str, ...], where: str) -> dict[str, np.ndarray]:
-    """The always-kept ids by category, disjoint: a byte token that is also registered as an
-    added token counts as a byte token; a special token with Hangul text counts as special."""
+def always_kept(tokenizer, scripts: tuple[str, ...], where: str, keep_placeholders: bool = False) -> dict[str, np.ndarray]:
+    """The always-kept ids by category, disjoint (see the module doc): a byte token that is also
+    registered as an added token counts as a byte token; a special token with Hangul text counts
+    as special. Placeholders are an empty category unless `keep_placeholders`."""
     byte = np.unique(byte_token_ids(tokenizer, where))
-    special = np.setdiff1d(special_token_ids(tokenizer), byte)
-    script = np.setdiff1d(script_token_ids(tokenizer, scripts), np.union1d(byte, special))
-    return {"special": special, "byte": byte, "script": script}
+    chat = np.setdiff1d(chat_marker_ids(tokenizer)[0], byte)
+    placeholder = np.setdiff1d(placeholder_ids(tokenizer), np.union1d(byte, chat))
+    special = np.setdiff1d(special_token_ids(tokenizer), np.concatenate([byte, chat, placeholder]))
+    if not keep_placeholders:
+        placeholder = placeholder[:0]
+    taken = np.concatenate([byte, chat, special, placeholder])
+    script = np.setdiff1d(script_token_ids(tokenizer, scripts), taken)
+    return {"special": special, "chat": chat, "placeholder": placeholder, "byte": byte, "script": script}
 
 
-def frequency_order(counts: np.ndarray) -> np.ndarray:
-    """Token ids by count, most frequent first; equal counts in increasing id order."""
+def always_kept_report(tokenizer, always: dict[str, np.ndarray], keep_placeholders: bool) -> dict[str, Any]:
+    """What the always-kept categories hold and what was left out, for report.json."""
+    names = lambda ids: tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+    placeholders = placeholder_ids(tokenizer)
+    added = set(tokenizer.added_tokens_decoder)
+    forced = set(np.concatenate(list(always.values())).tolist())
+    return {
+        "special_tokens": names(always["special"]),
+        "chat_markers": names(always["chat"]),
+        "chat_markers_found_by": chat_marker_ids(tokenizer)[1],
+        "placeholders_in_tokenizer": int(len(placeholders)),
+        "placeholders_left_out": int(len(set(placeholders.tolist()) - forced)),
+        "placeholder_examples": names(placeholders[:3]),
+        "added_tokens": len(added),
+        "added_tokens_kept_by_frequency_only": len(added - forced - set(placeholders.tolist())),
+        "keep_placeholders": keep_placeholders,
+    }
+
+
+def frequency_order(counts: np.ndarray, last: np.ndarray | None = None) -> np.ndarray:
+    """Token ids by count, most frequent first; equal counts in increasing id order. Ids in
+    `last` (placeholders) that were never counted come after every other id."""
     ids = np.arange(len(counts))
-    return np.lexsort((ids, -counts.astype(np.int64)))
+    demoted = np.zeros(len(counts), dtype=bool)
+    if last is not None and len(last):
+        demoted[np.asarray(last)] = True
+        demoted &= counts == 0
+    return np.lexsort((ids, -counts.astype(np.int64), demoted))
 
 
-def select_keep_set(counts: np.ndarray, always: dict[str, np.ndarray], size: int, where: str) -> dict[str, np.ndarray]:
-    """Categories of the keep set of exactly `size` ids: `always` plus the most frequent others."""
+def select_keep_set(counts: np.ndarray, always: dict[str, np.ndarray], size: int, where: str,
+                    last: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Categories of the keep set of exactly `size` ids: `always` plus the most frequent others
+    (`last`: see `frequency_order`)."""
     vocab = len(counts)
     kept = np.unique(np.concatenate(list(always.values())))
     if size > vocab:
@@ -122,7 +195,7 @@ def select_keep_set(counts: np.ndarray, always: dict[str, np.ndarray], size: int
     if size < len(kept):
         parts = ", ".join(f"{len(v)} {k}" for k, v in always.items())
         raise HycoError(f"{where}: keep-set size must be >= the always-kept tokens ({len(kept)}: {parts}), but got {size}")
-    order = frequency_order(counts)
+    order = frequency_order(counts, last)
     others = order[~np.isin(order, kept)]
     return {**always, "frequent": np.sort(others[: size - len(kept)])}
 
@@ -190,15 +263,9 @@ def load_keep_set(path: str | Path, tokenizer=None) -> KeepSet:
 
 
 def _load_index(path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    if not path.is_file():
-        raise HycoError(f"keep-set index not found: {path}")
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise HycoError(f"{path}: not a readable .npy ({e})") from None
-    if array.dtype != np.int32 or array.shape != shape:
-        raise HycoError(f"{path}: must be int32{list(shape)}, but got {array.dtype}{list(array.shape)}")
-    return array
+    from hyco.loading import load_npy
+
+    return load_npy(path, np.int32, shape, "keep-set index")
 
 
 def load_prompts(path: str | Path, split: str | None = None) -> list[dict[str, Any]]:

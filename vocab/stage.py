@@ -22,8 +22,10 @@ from hyco.vocab.keepset import (
     PROMPTS,
     VOCAB_TO_KEEP,
     always_kept,
+    always_kept_report,
     index_maps,
     load_tokenizer,
+    placeholder_ids,
     select_keep_set,
     tokenizer_hash,
 )
@@ -33,6 +35,7 @@ from hyco.artifacts import fingerprint, markdown_table, write_json
 from hyco.chat import PACKAGED, iter_conversations
 from hyco.errors import HycoError
 from hyco.recipe import DatasetConfig, Recipe, VocabConfig, to_dict
+from hyco.splits import EVAL_BUCKETS
 
 TOKEN_COUNTS = "token_counts.npy"
 
@@ -70,7 +73,7 @@ def build_vocab(*, tokenizer: Path, dataset: DatasetConfig, config: VocabConfig,
     tok = load_tokenizer(tokenizer)
     vocab_size = len(tok)
     # Everything that can be refused is refused before the corpus pass.
-    always = always_kept(tok, config.always_scripts, str(tokenizer))
+    always = always_kept(tok, config.always_scripts, str(tokenizer), keep_placeholders=config.keep_placeholders)
     select_keep_set(np.zeros(vocab_size, dtype=np.int64), always, config.size, f"{tokenizer}")
     if dataset.heldout_split is not None and dataset.heldout_split == dataset.split:
         raise HycoError(f"dataset.heldout_split must differ from dataset.split, but got {dataset.heldout_split!r} for both")
@@ -93,7 +96,8 @@ def build_vocab(*, tokenizer: Path, dataset: DatasetConfig, config: VocabConfig,
                         "the keep set is counted on assistant answers")
     elapsed_count = time.perf_counter() - start
 
-    categories = select_keep_set(counters["count"].counts, always, config.size, str(tokenizer))
+    placeholders = placeholder_ids(tok)  # uncounted ones are the last candidates of the top-up
+    categories = select_keep_set(counters["count"].counts, always, config.size, str(tokenizer), last=placeholders)
     token_ids = np.sort(np.concatenate([categories[c] for c in CATEGORIES]))
     keep_to_vocab, vocab_to_keep = index_maps(token_ids, vocab_size)
     np.save(out / KEEP_TO_VOCAB, keep_to_vocab)
@@ -121,7 +125,11 @@ def build_vocab(*, tokenizer: Path, dataset: DatasetConfig, config: VocabConfig,
             f.write(json.dumps({"id": conv.id, "index": conv.index, "split": pool,
                                 "turns": [list(t) for t in conv.turns]}, ensure_ascii=False) + "\n")
 
-    report = _coverage_report(counters, always, config, vocab_size, out, keep_set, main, heldout_ids, view_label)
+    details = always_kept_report(tok, always, config.keep_placeholders)
+    # Evidence for leaving placeholders out: how often the counted assistant text produced one.
+    details["placeholder_occurrences_counted"] = int(counters["count"].counts[placeholders].sum())
+    report = _coverage_report(counters, always, config, vocab_size, out, keep_set, main, heldout_ids, view_label,
+                              details, placeholders)
     _write_summary(out / "summary.md", report)
     elapsed = time.perf_counter() - start
     return {
@@ -132,10 +140,11 @@ def build_vocab(*, tokenizer: Path, dataset: DatasetConfig, config: VocabConfig,
     }
 
 
-def _coverage_report(counters, always, config: VocabConfig, vocab_size, out: Path, keep_set, main: Deal, heldout_ids, view_label) -> dict:
+def _coverage_report(counters, always, config: VocabConfig, vocab_size, out: Path, keep_set, main: Deal, heldout_ids, view_label,
+                     details: dict, placeholders: np.ndarray) -> dict:
     always_ids = np.unique(np.concatenate(list(always.values())))
     heldout = counters["heldout"].counts
-    sizes, share = outside_share_curve(counters["count"].counts, heldout, always_ids)
+    sizes, share = outside_share_curve(counters["count"].counts, heldout, always_ids, placeholders)
     marks = comparison_sizes(config.comparison_sizes, vocab_size, config.reference_vocab, len(always_ids))
     for m in marks:
         m["outside_share"] = share_at(sizes, share, m["size"])
@@ -144,6 +153,7 @@ def _coverage_report(counters, always, config: VocabConfig, vocab_size, out: Pat
         "size": config.size,
         "vocab_size": vocab_size,
         "categories": keep_set["categories"],
+        "always_kept": details,
         "frequent_with_zero_count": int(np.sum(counters["count"].counts[_frequent_ids(keep_set, always_ids)] == 0)),
         "outside_share": requested,
         "comparison": marks,
@@ -159,6 +169,8 @@ def _coverage_report(counters, always, config: VocabConfig, vocab_size, out: Pat
                 "heldout": len(heldout_ids)},
         "conversations_read": main.read,
         "conversations_skipped": main.skipped,
+        # Eval prompts come only from this partition, which distillation and the other pools never read.
+        "evaluation_partition": f"sha256 of the first user turn, 1 bucket in {EVAL_BUCKETS} (hyco/splits.py)",
         "assistant_text": view_label,
         "tokenizer": keep_set["tokenizer"],
         "dataset": keep_set["dataset"],
@@ -176,15 +188,22 @@ def _frequent_ids(keep_set, always_ids) -> np.ndarray:
 
 
 def _write_summary(path: Path, report: dict) -> None:
-    c = report["categories"]
+    c, a = report["categories"], report["always_kept"]
     rows = [{"keep set": m["label"], "size": m["size"], "outside (%)": round(100 * m["outside_share"], 3)}
             for m in report["comparison"]]
     rows.insert(0, {"keep set": "requested", "size": report["size"], "outside (%)": round(100 * report["outside_share"], 3)})
     short = [p for p, n in report["requested"].items() if report["got"][p] < n]
+    left_out = (f" Left out: {a['placeholders_left_out']} placeholder tokens ({', '.join(f'`{t}`' for t in a['placeholder_examples'])}, ...; "
+                f"{a['placeholder_occurrences_counted']} occurrences in the counted text; vocab.keep_placeholders "
+                "keeps them)." if a["placeholders_left_out"] else "")
     text = (
         f"# Keep set: {report['size']} of {report['vocab_size']} tokens\n\n"
-        f"{c['special']} special + {c['byte']} byte + {c['script']} script + {c['frequent']} frequent tokens, "
-        f"counted on {report['counted_assistant_tokens']} assistant tokens of {report['counted_conversations']} conversations "
+        f"{c['special']} special + {c['chat']} chat-template markers + {c['placeholder']} placeholder + "
+        f"{c['byte']} byte + {c['script']} script + {c['frequent']} frequent tokens.{left_out} "
+        f"Chat markers: {', '.join(f'`{t}`' for t in a['chat_markers']) or 'none'}; "
+        f"special: {', '.join(f'`{t}`' for t in a['special_tokens'][:12])}"
+        f"{' ...' if len(a['special_tokens']) > 12 else ''}. "
+        f"Frequencies counted on {report['counted_assistant_tokens']} assistant tokens of {report['counted_conversations']} conversations "
         f"({report['assistant_text']}). Reserved prompt conversations: {report['reserved']['train']} train, "
         f"{report['reserved']['eval']} eval (never counted).\n\n"
         f"Held-out assistant tokens outside the keep set ({report['heldout_conversations']} conversations, "

@@ -1,0 +1,166 @@
+"""Drive the graphs as the phone does, recording every pass's feeds and outputs.
+
+SLM graphs: `hyco.runtime_check.slm_onnx.SlmOnnx` is the runtime's own driver (host LUTs,
+rotary tables, KV rings, masks, prefill chunks, committed backlog in front of the tree). Here
+its onnxruntime sessions are swapped for `Recorder`s, and a decode loop walks the verifier's
+answer: each round the root is the next answer token, a planning pass over root + the
+answer's next `chain_depth` tokens (the MTP chain the phone would draft) gives each node's
+top-k, a second pass runs the full tree (chain + the SLM's own top-k children, as many as
+the rows hold), and a seeded random number of chain tokens is accepted and committed, so
+the rings fill and wrap like a real decode.
+
+Several drivers can walk in lockstep (`lockstep`): the tree is built from the first one's
+outputs, so a float graph and its QDQ twin see identical trees and can be compared row by
+row while each keeps its own KV ring.
+
+MTP step graph: from qat/'s teacher-forced captures (the verifier's h_t, e(x_{t+1}) and K/V),
+`mtp_bursts` runs K steps per drafting position on the graph's own next_hidden and the
+embed_lut row of its own top-1, as `runtime_check.mtp_onnx.MtpChainOnnx.propose` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Recorder:
+    """Stands in for an onnxruntime session: runs `session` and keeps every (feeds, outputs)."""
+
+    session: object
+    graph: str
+    passes: list[tuple[dict, dict]] = field(default_factory=list)
+    keep_outputs: bool = True
+    active: list[int] = field(default_factory=list)  # real (non-padding) rows of each pass, leading
+    mask_negative: float | None = None  # rewrite the host's masks to this value before running
+
+    def run(self, names, feeds):
+        if self.mask_negative is not None:
+            feeds = {k: (np.where(v < 0, np.float32(self.mask_negative), v).astype(np.float32)
+                         if k.startswith("mask_") else v) for k, v in feeds.items()}
+        values = self.session.run(names, feeds)
+        self.passes.append((feeds, dict(zip(names, values, strict=True)) if self.keep_outputs else {}))
+        return values
+
+
+def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None = None,
+               mask_negative: float | None = None):
+    """SlmOnnx on `convert_dir`'s host files, with `sessions` ({"tree", "prefill"} -> session;
+    default: convert's float graphs) wrapped in Recorders."""
+    import torch
+    from hyco.runtime_check.slm_onnx import SlmOnnx
+
+    slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9)
+    sessions = sessions or {"tree": slm.tree_session, "prefill": slm.prefill_session}
+    slm.tree_session = Recorder(sessions["tree"], "tree", mask_negative=mask_negative)
+    slm.prefill_session = Recorder(sessions["prefill"], "prefill", mask_negative=mask_negative)
+    run = slm._run
+
+    def counted(session, spec, tokens, parents):  # the driver knows which rows are padding
+        out = run(session, spec, tokens, parents)
+        session.active.append(len(tokens))
+        return out
+
+    slm._run = counted
+    return slm
+
+
+def lockstep(slms: list, prompt: list[int], answer: list[int], *, chain_depth: int, topk: int,
+             rng: np.random.Generator) -> int:
+    """One answer through every driver in `slms`; returns the rounds run."""
+    from hyco.runtime_check.tree import CHAIN, SLM, DraftTree
+
+    for slm in slms:
+        slm.start(list(prompt))
+    rows = slms[0].tree_spec.meta["rows"]
+    pos, rounds = 0, 0
+    while pos < len(answer):
+        root = int(answer[pos])
+        chain = [int(t) for t in answer[pos + 1:pos + 1 + chain_depth]]
+        plan = DraftTree(root)
+        parent = 0
+        for d, token in enumerate(chain, 1):
+            parent = plan.add(parent, token, d * np.log(0.66), CHAIN, d)
+        nodes = list(range(len(plan)))
+        proposals = [slm.propose(plan, nodes, topk) for slm in slms]
+        tree = DraftTree(root)
+        index = {0: 0}
+        for i in range(1, len(plan)):
+            index[i] = tree.add(index[plan.nodes[i].parent], plan.nodes[i].token, plan.nodes[i].score, CHAIN,
+                                plan.nodes[i].chain_depth)
+        room = rows - len(tree)  # propose ran the backlog, so the tree has all rows to itself
+        for node in nodes:
+            ids, logprobs = proposals[0][node]
+            for token, lp in zip(ids, logprobs, strict=True):
+                if room <= 0:
+                    break
+                if tree.child_with_token(index[node], token) is None:
+                    tree.add(index[node], token, min(tree.nodes[index[node]].score + lp, tree.nodes[index[node]].score), SLM)
+                    room -= 1
+        for slm in slms:
+            slm.propose(tree, [0], topk)
+        accepted = int(rng.integers(0, len(chain) + 1))
+        committed = [root, *chain[:accepted]]
+        for slm in slms:
+            slm.commit(committed)
+        pos += len(committed)
+        rounds += 1
+    return rounds
+
+
+def mtp_bursts(session, spec, lut, captures, *, steps: int, positions_per_capture: int, window: int,
+               rng: np.random.Generator, mask_negative: float | None = None) -> list[list[tuple[dict, dict]]]:
+    """Bursts of `steps` MTP steps at drafting positions sampled from each capture. Returns per
+    burst the (feeds, outputs) of each step."""
+    from hyco.qat.step_graph import rope_rows, step_feeds
+
+    from hyco.handoff import StepInput
+
+    negative = spec.meta["mask_negative"] if mask_negative is None else mask_negative
+    names = [t.name for t in spec.outputs]
+    bursts = []
+    for cap in captures:
+        ts = cap.drafting_positions.numpy()
+        if len(ts) == 0:
+            continue
+        picked = np.sort(rng.choice(ts, size=min(positions_per_capture, len(ts)), replace=False))
+        for t in picked:
+            t = int(t)
+            lo = max(0, t + 1 - window)
+            kv = {layer: (k[:, lo:t + 1], v[:, lo:t + 1]) for layer, (k, v) in cap.kv.items()}
+            embed, hidden = cap.embeds[t + 1].numpy(), cap.hidden[t].numpy()
+            feeds = step_feeds(StepInput(cap.embeds[t + 1], cap.hidden[t], kv, t + 1 - lo), embed, hidden, spec,
+                               spec.meta["rope"], negative)
+            for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+                feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(spec.meta["rope"][layer], t + 1)
+            burst = []
+            for _ in range(steps):
+                out = dict(zip(names, session.run(names, feeds), strict=True))
+                burst.append((dict(feeds), out))
+                feeds = dict(feeds)
+                feeds["token_embed"] = lut.rows(out["topk_ids"][0, :1])
+                feeds["hidden"] = out["next_hidden"]
+            bursts.append(burst)
+    return bursts
+
+
+def replay_mtp(session, spec, bursts) -> list[list[tuple[dict, dict]]]:
+    """The same bursts through another session: each step carries that session's own
+    next_hidden (its error accumulates over the burst, as on the phone) and the reference
+    burst's drafted token, so both graphs condition on the same tokens and stay comparable."""
+    names = [t.name for t in spec.outputs]
+    out_bursts = []
+    for burst in bursts:
+        hidden, steps = None, []
+        for ref_feeds, _ in burst:
+            feeds = dict(ref_feeds)
+            if hidden is not None:
+                feeds["hidden"] = hidden
+            out = dict(zip(names, session.run(names, feeds), strict=True))
+            steps.append((feeds, out))
+            hidden = out["next_hidden"]
+        out_bursts.append(steps)
+    return out_bursts

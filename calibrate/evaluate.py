@@ -1,0 +1,205 @@
+"""Fidelity of the QDQ graphs against their float graphs, on held-out reserved EVAL prompts.
+
+SLM graphs: a float driver (convert's graphs) and a QDQ driver (the parity twin: float I/O,
+logits kept) walk each eval answer in lockstep (`drive.lockstep`: identical trees, each its
+own KV ring, so the QDQ graph's KV error accumulates as on the phone); every active row is
+compared: greedy top-1 agreement and KL(float || QDQ) over the keep set.
+MTP step: bursts of K steps from the eval captures; the QDQ graph carries its own
+next_hidden through the burst (`drive.replay_mtp`).
+Per-layer SQNR: the layer outputs (the Mul by `layer_scalar`) of both graphs on the same feeds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LAYER_SCALAR = re.compile(r"layers[._](\d+)[._]+layer_scalar|layer_scalar__(\d+)")  # convert's | qat's names
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl_rows(ref_logprobs: np.ndarray, q_logprobs: np.ndarray) -> np.ndarray:
+    return (np.exp(ref_logprobs) * (ref_logprobs - q_logprobs)).sum(-1)
+
+
+def layer_outputs(model) -> dict[str, str]:
+    """'layer i' -> the tensor each decoder layer ends with (its Mul by layer_scalar)."""
+    out = {}
+    for node in model.graph.node:
+        for x in node.input:
+            m = LAYER_SCALAR.search(x)
+            if node.op_type == "Mul" and m:
+                out[f"layer {int(m.group(1) or m.group(2))}"] = node.output[0]
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0].split()[1])))
+
+
+def logsoftmax_output(model) -> str | None:
+    return next((n.output[0] for n in model.graph.node if n.op_type == "LogSoftmax"), None)
+
+
+def sqnr(ref_model, q_model, feeds: list[dict], tmp: Path, tag: str, rows: list[int] | None = None) -> dict[str, float]:
+    """10 log10(sum ref^2 / sum (ref - q)^2) per layer output over `feeds` (first `rows[i]` rows)."""
+    from hyco.calibrate.stage import extra_output_session
+
+    names = layer_outputs(ref_model)
+    if not names:
+        return {}
+    tensors = list(names.values())
+    a = extra_output_session(ref_model, tensors, tmp, f"{tag}_ref")
+    b = extra_output_session(q_model, tensors, tmp, f"{tag}_q")
+    signal = dict.fromkeys(tensors, 0.0)
+    noise = dict.fromkeys(tensors, 0.0)
+    inputs = {i.name for i in a.get_inputs()}
+    for i, f in enumerate(feeds):
+        f = {k: v for k, v in f.items() if k in inputs}
+        ra, rb = a.run(tensors, f), b.run(tensors, f)
+        for t, x, y in zip(tensors, ra, rb, strict=True):
+            n = rows[i] if rows else x.shape[0]
+            x, y = x[:n].astype(np.float64), y[:n].astype(np.float64)
+            signal[t] += float((x * x).sum())
+            noise[t] += float(((x - y) ** 2).sum())
+    return {label: (10 * math.log10(signal[t] / noise[t]) if noise[t] > 0 else math.inf)
+            for label, t in names.items()}
+
+
+def top_margin(logprobs: np.ndarray) -> np.ndarray:
+    """The float graph's top-1 minus top-2 log-prob per row: how close a row is to a tie."""
+    part = np.partition(logprobs, -2, axis=-1)
+    return part[..., -1] - part[..., -2]
+
+
+def summarize(top1: list[np.ndarray], kl: list[np.ndarray], sqnr_db: dict[str, float],
+              margins: list[np.ndarray] | None = None) -> dict[str, Any]:
+    top1 = np.concatenate(top1) if top1 else np.zeros(0, bool)
+    kl = np.concatenate(kl) if kl else np.zeros(0)
+    by_margin = {}
+    if margins:
+        m = np.concatenate(margins)
+        by_margin = {"median_top1_margin": float(np.median(m)),
+                     "rows_margin_below_0.05": float((m < 0.05).mean()),
+                     "top1_agreement_margin_above_0.05": float(top1[m >= 0.05].mean()) if (m >= 0.05).any() else None,
+                     "top1_agreement_margin_above_0.2": float(top1[m >= 0.2].mean()) if (m >= 0.2).any() else None}
+    worst = sorted(({"layer": k, "sqnr_db": v} for k, v in sqnr_db.items()), key=lambda r: r["sqnr_db"])
+    return {"top1_agreement": float(top1.mean()) if top1.size else float("nan"), "rows": int(top1.size),
+            "kl": float(kl.mean()) if kl.size else float("nan"), "kl_p99": float(np.percentile(kl, 99)) if kl.size else None,
+            "sqnr_db": sqnr_db, "worst_layers": worst[:3], **by_margin}
+
+
+def to_codes(feeds: dict, spec) -> dict:
+    """Float feeds -> the deployable graph's feeds (uint8 KV codes from io_spec's quant params)."""
+    out = {}
+    for t in spec.inputs:
+        x = feeds[t.name]
+        if t.dtype == "uint8" and t.quant:
+            q = t.quant
+            x = np.clip(np.round(x / q["scale"]) + q["zero_point"], 0, 255).astype(np.uint8)
+        out[t.name] = x
+    return out
+
+
+def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
+    import onnx
+    from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, record_slm
+    from hyco.convert.export_onnx import ort_session
+
+    evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
+    qdq = {g: ort_session(out / PARITY_NAMES[g]) for g in SLM_GRAPHS}
+    ref = {g: ort_session(convert / name) for g, name in SLM_GRAPHS.items()}
+    f_slm, q_slm = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref, qdq], mask_negative=negative)
+    results, htp_feeds = {}, {}
+    for g, name in SLM_GRAPHS.items():
+        f_rec = getattr(f_slm, f"{g}_session")
+        q_rec = getattr(q_slm, f"{g}_session")
+        top1, kl, feeds, rows, margins = [], [], [], [], []
+        for (_, fo), (qf, qo), n in zip(f_rec.passes, q_rec.passes, f_rec.active, strict=True):
+            a, b = log_softmax(fo["logits"][:n]), log_softmax(qo["logits"][:n])
+            top1.append(a.argmax(-1) == b.argmax(-1))
+            margins.append(top_margin(a))
+            kl.append(kl_rows(a, b))
+            feeds.append(qf)
+            rows.append(n)
+        pick = np.linspace(0, len(feeds) - 1, min(config.sqnr_passes, len(feeds))).astype(int).tolist()
+        db = sqnr(onnx.load(str(convert / name)), onnx.load(str(out / PARITY_NAMES[g])),
+                  [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick])
+        results[g] = summarize(top1, kl, db, margins) | {"passes": len(feeds)}
+        # the HTP check runs the QDQ driver's own passes (a fuller tree pass first)
+        order = sorted(range(len(feeds)), key=lambda i: -rows[i])
+        htp_feeds[g] = [feeds[i] for i in order]
+    return {"graphs": results, "htp_feeds": htp_feeds}
+
+
+def run_mtp(qat: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
+    import onnx
+    from hyco.calibrate.drive import mtp_bursts, replay_mtp
+    from hyco.calibrate.stage import MTP_GRAPH, PARITY_NAMES, extra_output_session, mtp_captures
+    from hyco.convert.export_onnx import ort_session
+
+    spec = inputs["qat_specs"][MTP_GRAPH]
+    ref_model = onnx.load(str(tmp / "mtp.prepared.onnx"))
+    q_model = onnx.load(str(out / PARITY_NAMES["mtp"]))
+    lsm = logsoftmax_output(ref_model)
+    evals = mtp_captures(qat, "eval")
+    caps = [evals[i] for i in range(min(len(evals), config.eval_prompts))]
+    rng = np.random.default_rng(config.seed + 1)
+    ref_sess = ort_session(tmp / "mtp.prepared.onnx")
+    bursts = mtp_bursts(ref_sess, spec, inputs["lut"], caps, steps=config.mtp_steps,
+                        positions_per_capture=config.mtp_positions, window=int(spec.meta["window"]), rng=rng,
+                        mask_negative=negative)
+    names = [t.name for t in spec.outputs]
+    a = extra_output_session(ref_model, [lsm], tmp, "mtp_eval_ref")
+    b = extra_output_session(q_model, [lsm], tmp, "mtp_eval_q")
+
+    spec_lsm = type("S", (), {"outputs": [*spec.outputs, type("T", (), {"name": lsm})()]})()
+    ref_b = replay_mtp(a, spec_lsm, bursts)  # step outputs + the full log-probs, for KL
+    q_b = replay_mtp(b, spec_lsm, bursts)
+    top1, kl, per_step, margins = [], [], {}, []
+    for rb, qb in zip(ref_b, q_b, strict=True):
+        for step, ((_, ro), (_, qo)) in enumerate(zip(rb, qb, strict=True)):
+            agree = ro["topk_ids"][:, 0] == qo["topk_ids"][:, 0]
+            top1.append(agree)
+            kl.append(kl_rows(ro[lsm].astype(np.float64), qo[lsm].astype(np.float64)))
+            margins.append(top_margin(ro[lsm].astype(np.float64)))
+            per_step.setdefault(step + 1, []).append(bool(agree.all()))
+    feeds = [f for burst in bursts for f, _ in burst]
+    pick = np.linspace(0, len(feeds) - 1, min(config.sqnr_passes, len(feeds))).astype(int).tolist()
+    db = sqnr(ref_model, q_model, [feeds[i] for i in pick], tmp, "sqnr_mtp")
+    del names
+    res = summarize(top1, kl, db, margins) | {"bursts": len(bursts),
+                                     "top1_per_step": {k: float(np.mean(v)) for k, v in per_step.items()}}
+    return {"graphs": {"mtp": res}, "htp_feeds": {"mtp": [f for burst in q_b for f, _ in burst]}}
+
+
+def run_all(convert: Path, qat: Path, out: Path, inputs: dict, config, slm_negative: float, mtp_negative: float,
+            tmp: Path) -> dict[str, Any]:
+    slm = run_slm(convert, out, inputs, config, slm_negative, tmp)
+    mtp = run_mtp(qat, out, inputs, config, mtp_negative, tmp)
+    return {"graphs": {**slm["graphs"], **mtp["graphs"]}, "htp_feeds": {**slm["htp_feeds"], **mtp["htp_feeds"]}}
+
+
+def plot_sqnr(per_graph: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for g, v in per_graph.items():
+        layers = list(v["sqnr_db"])
+        ax.plot(range(len(layers)), [v["sqnr_db"][k] for k in layers], marker="o", lw=1, label=g)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("SQNR (dB), QDQ vs float")
+    ax.set_title("per-layer output SQNR on the eval prompts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,203 @@
+"""16-bit activations, 8-bit KV: onnxruntime's QNN QDQ tooling on a prepared graph.
+
+Why onnxruntime's `get_qnn_qdq_config` + `quantize` and not aimet-onnx's
+`QuantizationSimModel.from_onnx_qdq`: both keep the prepared graph's INT4/INT8 weights
+bit-exact (platform notes), but onnxruntime's tool is already a dependency (no second
+onnxruntime-coupled stack, no ~15 s import), takes explicit per-tensor scale/zero-point
+overrides (the MTP inputs' p99.99 ranges, the KV's 1.2 x p99.9, the mask's exact grid), spreads
+an 8-bit override through Concat to the new K/V outputs by itself, keeps the SRQ encodings
+aimet-onnx drops in front of o_proj, and writes graphs that pass `onnx.checker` full_check.
+
+After quantizing, `kv_io_uint8` makes the deployable graph's KV boundary integer: ring inputs
+and new K/V outputs are uint8 codes (the host stores codes; no float ring on the phone).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+class FeedReader:
+    """onnxruntime CalibrationDataReader over recorded feed dicts."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]], names: set[str]):
+        self._iter = iter([{k: v for k, v in f.items() if k in names} for f in feeds])
+
+    def get_next(self):
+        return next(self._iter, None)
+
+    def rewind(self):  # pragma: no cover - onnxruntime calls it only for some calibrators
+        raise NotImplementedError
+
+
+def uint8_symmetric(amax: float) -> tuple[float, int]:
+    """uint8 scale / zero point for [-amax, amax] (zero point 128: 0 is exact)."""
+    return max(float(amax), 1e-6) / 127.0, 128
+
+
+def mask_qparams(negative: float) -> tuple[float, int]:
+    """uint16 grid on which both 0 and `negative` are exact: scale -negative/65535, zero point 65535."""
+    return -float(negative) / 65535.0, 65535
+
+
+def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]], *, overrides: dict,
+                   method: str, percentile: float, activation_bits: int) -> Path:
+    """ORT QDQ quantization of `prepared` (a model file with external data) into `out`."""
+    from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    model = onnx.load(str(prepared), load_external_data=False)
+    input_names = {i.name for i in model.graph.input}
+    ops = sorted({n.op_type for n in model.graph.node} - {"QuantizeLinear", "DequantizeLinear", "Cast"})
+    qtype = QuantType.QUInt16 if activation_bits == 16 else QuantType.QUInt8
+    method_enum = CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax
+    cfg = get_qnn_qdq_config(str(prepared), FeedReader(feeds, input_names), calibrate_method=method_enum,
+                             activation_type=qtype, weight_type=qtype, init_overrides=overrides,
+                             op_types_to_quantize=ops)
+    if method == "percentile":
+        cfg.extra_options["CalibPercentile"] = percentile
+    cfg.use_external_data_format = True
+    quantize(str(prepared), str(out), cfg)
+    return out
+
+
+# --- reading quantization params back --------------------------------------------------------
+
+
+def _inits(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in model.graph.initializer}
+
+
+def boundary_qparams(model: onnx.ModelProto) -> dict[str, dict]:
+    """Scale / zero point / dtype at each graph input (its QuantizeLinear) and output (the
+    DequantizeLinear that produces it, or the QuantizeLinear itself for integer outputs)."""
+    inits = _inits(model)
+    out = {}
+
+    def params(node) -> dict:
+        zero = inits[node.input[2]]
+        return {"dtype": helper.tensor_dtype_to_np_dtype(zero.data_type).name,
+                "scale": float(numpy_helper.to_array(inits[node.input[1]])),
+                "zero_point": int(numpy_helper.to_array(zero))}
+
+    inputs = {i.name for i in model.graph.input}
+    outputs = {o.name for o in model.graph.output}
+    # an input that first goes through a data-movement op (Unsqueeze...) is quantized after it
+    origin = {i: i for i in inputs}
+    for node in model.graph.node:
+        if node.op_type in ("Unsqueeze", "Reshape", "Squeeze", "Transpose") and node.input[0] in origin:
+            origin[node.output[0]] = origin[node.input[0]]
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] in origin:
+            out.setdefault(origin[node.input[0]], params(node))
+        if node.op_type in ("DequantizeLinear", "QuantizeLinear") and node.output[0] in outputs and node.input[0] not in inits:
+            out[node.output[0]] = params(node)
+        if node.op_type == "DequantizeLinear" and node.input[0] in inputs:
+            out[node.input[0]] = params(node)
+    return out
+
+
+def kv_io_uint8(model: onnx.ModelProto, inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
+    """Ring inputs: drop their QuantizeLinear (the host feeds uint8 codes). New K/V outputs:
+    the graph returns the QuantizeLinear's codes; the DequantizeLinear stays for the graph's
+    own consumers (the Concat with the ring)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    rename = {}  # tensor -> the name its consumers read instead
+    drop = set()  # first output names of the nodes to remove
+    for node in g.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] in inputs:
+            rename[node.output[0]] = node.input[0]
+            drop.add(node.output[0])
+    out_of = {}  # new K/V output -> (its QuantizeLinear's output tensor)
+    for node in g.node:
+        if node.op_type == "DequantizeLinear" and node.output[0] in outputs:
+            out_of[node.output[0]] = node.input[0]
+    for name in out_of:
+        rename[name] = name + "_dq"  # the graph's own consumers read the dequantized rows
+    kept = []
+    for node in g.node:
+        if node.output[0] in drop:
+            continue
+        for j, x in enumerate(node.input):
+            if x in rename:
+                node.input[j] = rename[x]
+        for j, x in enumerate(node.output):
+            if node.op_type == "DequantizeLinear" and x in out_of:
+                node.output[j] = x + "_dq"
+            elif node.op_type == "QuantizeLinear" and x in out_of.values():
+                node.output[j] = next(k for k, v in out_of.items() if v == x)
+        if node.op_type == "DequantizeLinear" and node.input[0] in out_of.values():
+            node.input[0] = next(k for k, v in out_of.items() if v == node.input[0])
+        kept.append(node)
+    del g.node[:]
+    g.node.extend(kept)
+    for vi in list(g.input) + list(g.output):
+        if vi.name in inputs or vi.name in outputs:
+            vi.type.tensor_type.elem_type = TensorProto.UINT8
+    return m
+
+
+def encodings(model: onnx.ModelProto, weight_bits: dict[str, int]) -> dict:
+    """AIMET encodings (1.0.0 layout) of a QDQ graph: every QuantizeLinear's tensor as an
+    activation encoding, every integer weight DequantizeLinear as a per-channel param encoding
+    (bw = the checkpoint's width: 2-bit ints travel in INT4 containers)."""
+    inits = _inits(model)
+    acts, params, seen = [], [], set()
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in seen:
+            zero = inits[node.input[2]]
+            np_type = helper.tensor_dtype_to_np_dtype(zero.data_type)
+            scale = float(numpy_helper.to_array(inits[node.input[1]]))
+            zp = int(numpy_helper.to_array(zero))
+            info = np.iinfo(np_type)
+            acts.append({"name": node.input[0], "bw": int(info.bits), "dtype": "INT", "enc_type": "PER_TENSOR",
+                         "is_sym": bool(info.min < 0 and zp == 0), "scale": [scale], "offset": [-zp],
+                         "min": scale * (info.min - zp), "max": scale * (info.max - zp)})
+            seen.add(node.input[0])
+        elif node.op_type == "DequantizeLinear" and node.input[0] in inits:
+            ints = inits[node.input[0]]
+            scale = numpy_helper.to_array(inits[node.input[1]]).reshape(-1)
+            container = 4 if ints.data_type in (TensorProto.INT4, TensorProto.UINT4) else 8
+            params.append({"name": node.input[0], "bw": int(weight_bits.get(node.input[0], container)),
+                           "container_bw": container, "dtype": "INT", "enc_type": "PER_CHANNEL", "is_sym": True,
+                           "scale": [float(s) for s in scale], "offset": [0] * len(scale),
+                           "axis": next((a.i for a in node.attribute if a.name == "axis"), 1)})
+    return {"version": "1.0.0", "activation_encodings": acts, "param_encodings": params}
+
+
+def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """Every integer weight feeding a DequantizeLinear: name -> (ints as [out, in] int8, scale bytes, axis)."""
+    from hyco.calibrate.prepare import _int_array
+
+    inits = _inits(model)
+    out = {}
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or node.input[0] not in inits:
+            continue
+        ints_t = inits[node.input[0]]
+        if ints_t.data_type not in (TensorProto.INT4, TensorProto.INT8):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        values = _int_array(ints_t)
+        if values.ndim == 2 and axis == 1:
+            values = values.T
+        scale = numpy_helper.to_array(inits[node.input[1]]).reshape(-1).astype(np.float32)
+        out[node.input[0].removesuffix("_t")] = (values, scale.view(np.uint32), axis)
+    return out
+
+
+def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto) -> dict:
+    """Every source weight's ints and scales equal in the QDQ graph (bit for bit)."""
+    a, b = weight_ints(source), weight_ints(quantized)
+    rows = {}
+    for name, (ints, scale, _) in a.items():
+        other = b.get(name)
+        rows[name] = bool(other is not None and np.array_equal(ints, other[0]) and np.array_equal(scale, other[1]))
+    return {"weights": len(a), "equal": sum(rows.values()), "all_equal": bool(rows) and all(rows.values()),
+            "missing_or_different": sorted(k for k, v in rows.items() if not v)[:10]}

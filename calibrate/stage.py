@@ -1,0 +1,508 @@
+"""The calibrate stage: convert/'s tree and prefill graphs and qat/'s MTP step graph -> QDQ
+graphs the HTP runs whole (16-bit activations, 8-bit KV, weights untouched), with a fidelity
+report.
+
+`calibrate(convert=..., qat=..., vocab=..., out=..., config=...)` is the whole stage as a
+keyword-only function; the pipeline (`inputs`/`build`/`section`) and the CLI
+(`calibrate/cli.py`) wrap it. Flow per graph: record the float graph's passes as the phone
+drives it (drive.py: reserved train prompts + the answers qat/ wrote) -> prepare (prepare.py:
+the HTP's passes) -> measure the masks' visible-score spread and choose the mask value
+(masks.py) -> onnxruntime's QNN QDQ quantizer with overrides (quantize.py: KV uint8 at
+1.2 x p99.9, MTP inputs at qat's p99.99 ranges, the mask's exact grid, Reciprocal inputs
+reaching 1.0) -> deployable graph (no logits output, uint8 KV boundary) and a parity twin ->
+fidelity on the reserved eval prompts (CPU EP) -> HTP acceptance and simulator-vs-CPU, each
+graph in its own process (htp.py).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyco.artifacts import (
+    declare_nondeterministic,
+    markdown_table,
+    peak_rss_mb,
+    read_json,
+    toolchain_versions,
+    write_json,
+)
+from hyco.errors import HycoError, ProofFailed
+from hyco.recipe import CalibrateConfig, Recipe, to_dict
+
+SLM_GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
+MTP_GRAPH = "mtp_step.onnx"
+OUT_NAMES = {"tree": "tree.qdq.onnx", "prefill": "prefill.qdq.onnx", "mtp": "mtp_step.qdq.onnx"}
+PARITY_NAMES = {k: v.replace(".qdq.onnx", ".parity.qdq.onnx") for k, v in OUT_NAMES.items()}
+ENCODINGS_VERSION = "1.0.0"
+MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze")  # ops that move values without computing
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def _need(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise HycoError(f"{path}: not found ({what})")
+    return path
+
+
+def _manifest_tokenizer(folder: Path) -> Path | None:
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return None
+    inputs = read_json(manifest, "manifest.json").get("inputs", {})
+    value = inputs.get("tokenizer") or inputs.get("checkpoint")
+    return Path(value) if value else None
+
+
+def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
+    """Every file the stage reads, checked before anything is written: present, one keep set,
+    one tokenizer family. Returns the parsed pieces."""
+    from hyco.vocab.keepset import load_keep_set
+
+    from hyco.answers import ANSWERS, read_answers
+    from hyco.io_spec import read_io_spec
+
+    convert, qat, vocab = Path(convert), Path(qat), Path(vocab)
+    c_specs = read_io_spec(_need(convert / "io_spec.json", "convert's io_spec"))
+    for name in SLM_GRAPHS.values():
+        if name not in c_specs:
+            raise HycoError(f"{convert / 'io_spec.json'}: no graph {name}")
+        _need(convert / name, "convert graph")
+    q_specs = read_io_spec(_need(qat / "io_spec.json", "qat's io_spec"))
+    if MTP_GRAPH not in q_specs:
+        raise HycoError(f"{qat / 'io_spec.json'}: no graph {MTP_GRAPH}")
+    _need(qat / MTP_GRAPH, "qat step graph")
+    _need(qat / "encodings.json", "qat encodings (the MTP inputs' ranges)")
+    answers = read_answers(qat / ANSWERS)
+    keep = load_keep_set(_need(vocab / "keep_set.json", "keep set"))
+    # one tokenizer family: the keep set's tokenizer hash against each stage's tokenizer
+    for folder in (convert, qat):
+        tok = _manifest_tokenizer(folder)
+        if tok is not None and tok.is_dir():
+            try:
+                load_keep_set(vocab / "keep_set.json", tokenizer=tok)
+            except HycoError as e:
+                raise HycoError(f"{folder / 'manifest.json'}: built with tokenizer {tok}, not the keep set's "
+                                f"({e})") from None
+    keep_ids = np.asarray(keep.token_ids, dtype=np.int64)
+    tree_meta, step_meta = c_specs["tree.onnx"].meta, q_specs[MTP_GRAPH].meta
+    if int(tree_meta.get("keep_size", -1)) != len(keep_ids):
+        raise HycoError(f"{convert / 'io_spec.json'}: tree.onnx restricts to {tree_meta.get('keep_size')} tokens, but "
+                        f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
+    if int(step_meta.get("keep_size", -1)) != len(keep_ids):
+        raise HycoError(f"{qat / 'io_spec.json'}: {MTP_GRAPH} drafts over {step_meta.get('keep_size')} tokens, but "
+                        f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
+    from hyco.qat.embed_lut import EMBED_LUT, EmbedLut
+
+    lut = EmbedLut.load(_need(qat / EMBED_LUT, "qat embed_lut"))
+    if not np.array_equal(np.asarray(lut.keep_to_vocab, dtype=np.int64), keep_ids):
+        raise HycoError(f"{qat / EMBED_LUT}: tensor 'keep_to_vocab' is not the keep set of {vocab / 'keep_set.json'}")
+    from hyco.convert.host import EmbeddingLut
+
+    embed = EmbeddingLut.open(_need(convert / "luts" / "embed_tokens.safetensors", "convert LUT"))
+    vocab_rows = embed.packed.shape[0]
+    top = max((max(a["prompt_ids"] + a["answer_ids"], default=0) for a in answers), default=0)
+    if top >= vocab_rows or keep_ids[-1] >= vocab_rows:
+        raise HycoError(f"{convert / 'luts' / 'embed_tokens.safetensors'}: {vocab_rows} token rows, but the answers "
+                        f"({qat / ANSWERS}) or keep set reach token {max(top, int(keep_ids[-1]))}: another tokenizer family")
+    for split in ("train", "eval"):
+        if not any(a["split"] == split and a["answer_ids"] for a in answers):
+            raise HycoError(f"{qat / ANSWERS}: no non-empty {split} answers")
+    return {"convert_specs": c_specs, "qat_specs": q_specs, "answers": answers, "keep_ids": keep_ids, "lut": lut}
+
+
+# --- SLM graphs ---------------------------------------------------------------------------------
+
+
+def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateConfig, sessions=None,
+               mask_negative: float | None = None, drivers: int = 1):
+    """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders)."""
+    from hyco.calibrate.drive import lockstep, slm_driver
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(config.seed)
+    slms = [slm_driver(convert, keep_ids, s, mask_negative) for s in (sessions or [None] * drivers)]
+    for a in tqdm(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None):
+        lockstep(slms, a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,
+                 topk=config.slm_topk, rng=rng)
+    return slms
+
+
+def subsample(items: list, n: int, seed: int) -> list:
+    if len(items) <= n:
+        return list(items)
+    idx = np.sort(np.random.default_rng(seed).choice(len(items), n, replace=False))
+    return [items[i] for i in idx]
+
+
+def extra_output_session(model, names: list[str], folder: Path, tag: str):
+    """A CPU session over `model` that also returns the tensors `names`."""
+    import onnx
+    from hyco.calibrate.prepare import _copy, save
+    from hyco.convert.export_onnx import ort_session
+
+    m = _copy(model)  # every tensor asked for is a float activation
+    have = {o.name for o in m.graph.output}
+    for n in names:
+        if n not in have:
+            m.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
+    path = folder / f"{tag}.onnx"
+    save(m, path, check=False)
+    return ort_session(path)
+
+
+def measure_masks(model, feeds: list[dict], folder: Path, tag: str):
+    """Mask statistics and Reciprocal-input ranges of the prepared float graph over `feeds`."""
+    from hyco.calibrate.masks import MaskStats, softmax_inputs
+
+    soft = softmax_inputs(model)
+    recips = [n.input[0] for n in model.graph.node if n.op_type == "Reciprocal"]
+    names = sorted({s for _, s, _ in soft} | {m for _, _, m in soft} | set(recips))
+    sess = extra_output_session(model, names, folder, tag)
+    input_names = {i.name for i in sess.get_inputs()}
+    stats = MaskStats()
+    recip_range = {r: [math.inf, -math.inf] for r in recips}
+    for f in feeds:
+        vals = dict(zip(names, sess.run(names, {k: v for k, v in f.items() if k in input_names}), strict=True))
+        for label, s, m in soft:
+            stats.add(label, vals[s], vals[m])
+        for r in recips:
+            recip_range[r][0] = min(recip_range[r][0], float(vals[r].min()))
+            recip_range[r][1] = max(recip_range[r][1], float(vals[r].max()))
+    return stats, recip_range
+
+
+def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: CalibrateConfig) -> tuple[dict, dict]:
+    """uint8 grids for every ring input and its new rows output: one grid per (layer, K|V),
+    range kv_margin x the p-th percentile of |new rows| on the calibration passes."""
+    from hyco.calibrate.quantize import uint8_symmetric
+    from onnxruntime.quantization import QuantType
+
+    overrides, ranges = {}, {}
+    producer = {o: n for n in graph.graph.node for o in n.output}
+    ring_inputs = [i.name for i in graph.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
+    for ring in ring_inputs:
+        kind, layer = ring.split("_ring_")
+        new = f"new_{kind}_{layer}"
+        values = np.concatenate([np.abs(o[new]).reshape(-1) for o in outputs])
+        p = float(np.percentile(values, config.kv_percentile))
+        scale, zero = uint8_symmetric(config.kv_margin * p)
+        params = {"quant_type": QuantType.QUInt8, "scale": np.array(scale, np.float32), "zero_point": np.array(zero, np.uint8)}
+        # The ring is uint8 and converted to 16 bits where the pass attends over it; this pass's
+        # own rows are computed and used at 16 bits, and converted to the ring's uint8 grid only
+        # on their way out (`prepare.split_kv_row_outputs` gave the output its own Transpose;
+        # onnxruntime gives a Transpose's output its input's grid, hence the convert in front).
+        out_node = producer[new]
+        if out_node.op_type in MOVES:
+            overrides[out_node.input[0]] = [{"quant_type": QuantType.QUInt16,
+                                             "convert": {**params, "recv_nodes": {out_node.name}}}]
+        else:
+            overrides[new] = [dict(params)]
+        overrides[ring] = [{**params, "convert": {"quant_type": QuantType.QUInt16}}]
+        ranges[ring] = {"percentile": config.kv_percentile, "p": p, "amax": config.kv_margin * p, "scale": scale,
+                        "zero_point": zero, "max_abs_seen": float(values.max())}
+    return overrides, ranges
+
+
+def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path) -> dict[str, Any]:
+    import onnx
+    from hyco.calibrate.masks import choose_mask
+    from hyco.calibrate.prepare import drop_outputs, prepare_slm, save
+    from hyco.calibrate.quantize import mask_qparams, quantize_graph
+    from onnxruntime.quantization import QuantType
+
+    train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
+    slm = record_slm(convert, inputs["keep_ids"], train, config)[0]
+    recorded = {"tree": slm.tree_session.passes, "prefill": slm.prefill_session.passes}
+    result: dict[str, Any] = {"passes": {g: len(p) for g, p in recorded.items()}}
+    prepared, mask_stats = {}, {}
+    for g, name in SLM_GRAPHS.items():
+        prepared[g] = prepare_slm(onnx.load(str(convert / name)), softcap_sigmoid=g in config.softcap_sigmoid_graphs)
+        feeds = subsample([f for f, _ in recorded[g]], config.max_passes, config.seed)
+        mask_stats[g] = measure_masks(prepared[g], feeds, tmp, f"{g}_stats")
+    # one mask value for both graphs (one host, one ring): from both graphs' worst rows
+    from hyco.calibrate.masks import MaskStats
+
+    both = MaskStats({f"{g}:{k}": v for g, (s, _) in mask_stats.items() for k, v in s.layers.items()})
+    mask = choose_mask(both, floor=config.mask_floor, headroom=config.mask_headroom)
+    negative = mask["mask_negative"]
+    result["mask"] = mask
+    result["graphs"] = {}
+    for g in SLM_GRAPHS:
+        passes = subsample(recorded[g], config.max_passes, config.seed)
+        feeds = [{k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if k.startswith("mask_") else v)
+                  for k, v in f.items()} for f, _ in passes]
+        overrides, kv_ranges = kv_overrides(prepared[g], feeds, [o for _, o in passes], config)
+        m_scale, m_zero = mask_qparams(negative)
+        for inp in prepared[g].graph.input:
+            if inp.name.startswith("mask_"):
+                overrides[inp.name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(m_scale, np.float32),
+                                        "zero_point": np.array(m_zero, np.uint16)}]
+        _, recip = mask_stats[g]
+        for r, (lo, hi) in recip.items():  # trap: a Reciprocal input encoding below 1.0 returns ~top/x
+            if hi < 1.0:
+                overrides.setdefault(r, [{"rmin": np.array(min(lo, 0.0), np.float32), "rmax": np.array(1.0, np.float32)}])
+        src = tmp / f"{g}.prepared.onnx"
+        save(prepared[g], src)
+        parity = out / PARITY_NAMES[g]
+        start = time.perf_counter()
+        quantize_graph(src, parity, feeds, overrides=overrides, method=config.activation_calibration,
+                       percentile=config.activation_percentile, activation_bits=config.activation_bits)
+        result["graphs"][g] = {"quantize_s": round(time.perf_counter() - start, 2), "calibration_passes": len(feeds),
+                               "kv_ranges": kv_ranges,
+                               "reciprocal_inputs_widened": sum(1 for lo, hi in recip.values() if hi < 1.0)}
+        deploy = drop_outputs(onnx.load(str(parity)), {"logits"})
+        result["graphs"][g]["deploy_model"] = deploy
+    return result
+
+
+# --- MTP step graph -----------------------------------------------------------------------------
+
+
+def mtp_captures(qat: Path, split: str):
+    from hyco.qat.capture import CaptureSet
+
+    folder = qat / "captures"
+    meta = read_json(_need(folder / "captures.json", "qat captures"), "captures.json")
+    return CaptureSet(folder, meta["shards"], split)
+
+
+def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path) -> dict[str, Any]:
+    import onnx
+    from hyco.calibrate.drive import mtp_bursts
+    from hyco.calibrate.masks import choose_mask
+    from hyco.calibrate.prepare import prepare_mtp, save
+    from hyco.calibrate.quantize import mask_qparams, quantize_graph
+    from hyco.convert.export_onnx import ort_session
+    from onnxruntime.quantization import QuantType
+
+    spec = inputs["qat_specs"][MTP_GRAPH]
+    float_twin = qat / spec.meta.get("float_graph", "mtp_step.float.onnx")
+    prepared, input_params = prepare_mtp(onnx.load(str(qat / MTP_GRAPH)))
+    src = tmp / "mtp.prepared.onnx"
+    save(prepared, src)
+    sess = ort_session(src)
+    train = mtp_captures(qat, "train")
+    caps = [train[i] for i in range(min(len(train), config.prompts))]
+    rng = np.random.default_rng(config.seed)
+    bursts = mtp_bursts(sess, spec, inputs["lut"], caps, steps=config.mtp_steps,
+                        positions_per_capture=config.mtp_positions, window=int(spec.meta["window"]), rng=rng)
+    feeds = [f for b in bursts for f, _ in b]
+    stats, recip = measure_masks(prepared, subsample(feeds, config.max_passes, config.seed), tmp, "mtp_stats")
+    mask = choose_mask(stats, floor=config.mask_floor, headroom=config.mask_headroom)
+    negative = mask["mask_negative"]
+    if negative != spec.meta["mask_negative"]:
+        bursts = mtp_bursts(sess, spec, inputs["lut"], caps, steps=config.mtp_steps,
+                            positions_per_capture=config.mtp_positions, window=int(spec.meta["window"]),
+                            rng=np.random.default_rng(config.seed), mask_negative=negative)
+        feeds = [f for b in bursts for f, _ in b]
+    overrides = {}
+    for name, (scale, zero) in input_params.items():
+        if name.startswith("mask_"):
+            scale, zero = mask_qparams(negative)
+        overrides[name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(scale, np.float32), "zero_point": np.array(zero, np.uint16)}]
+    for r, (lo, hi) in recip.items():
+        if hi < 1.0:
+            overrides.setdefault(r, [{"rmin": np.array(min(lo, 0.0), np.float32), "rmax": np.array(1.0, np.float32)}])
+    parity = out / PARITY_NAMES["mtp"]
+    start = time.perf_counter()
+    quantize_graph(src, parity, subsample(feeds, config.max_passes, config.seed), overrides=overrides,
+                   method=config.activation_calibration, percentile=config.activation_percentile,
+                   activation_bits=config.activation_bits)
+    return {"mask": mask, "bursts": len(bursts), "calibration_passes": min(len(feeds), config.max_passes),
+            "quantize_s": round(time.perf_counter() - start, 2), "float_twin": float_twin.name,
+            "input_ranges_from_qat": {k: {"scale": s, "zero_point": z} for k, (s, z) in input_params.items()},
+            "prepared": prepared, "deploy_model": onnx.load(str(parity))}
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: CalibrateConfig,
+              allow_proof_failure: bool = False) -> dict[str, Any]:
+    """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
+    proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
+    temp folder, so nothing moves into place) unless `allow_proof_failure`."""
+    import onnx
+    from hyco.calibrate import evaluate, htp
+    from hyco.calibrate.prepare import save
+    from hyco.calibrate.quantize import boundary_qparams, encodings, kv_io_uint8, weights_bitexact
+
+    start = time.perf_counter()
+    convert, qat, vocab, out = Path(convert), Path(qat), Path(vocab), Path(out)
+    inputs = check_inputs(convert, qat, vocab)  # before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"convert": str(convert), "qat": str(qat), "vocab": str(vocab), "config": to_dict(config),
+                              "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
+    from hyco.answers import answer_stats
+
+    report["data"] = answer_stats(inputs["answers"])
+    with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp:
+        tmp = Path(tmp)
+        slm = calibrate_slm(convert, inputs, config, tmp, out)
+        mtp = calibrate_mtp(qat, inputs, config, tmp, out)
+        c_specs, q_specs = inputs["convert_specs"], inputs["qat_specs"]
+        weight_bits = convert_weight_bits(convert)
+        deployed, specs, enc, bitexact = {}, {}, {}, {}
+        for g in ("tree", "prefill", "mtp"):
+            model = slm["graphs"][g].pop("deploy_model") if g != "mtp" else mtp.pop("deploy_model")
+            kv_in = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
+            kv_out = [o.name for o in model.graph.output if o.name.startswith(("new_k_", "new_v_"))]
+            model = kv_io_uint8(model, kv_in, kv_out)
+            save(model, out / OUT_NAMES[g])
+            deployed[g] = model
+            source = onnx.load(str(convert / SLM_GRAPHS[g])) if g != "mtp" else onnx.load(str(qat / MTP_GRAPH))
+            bitexact[g] = weights_bitexact(source, model)
+            enc[OUT_NAMES[g]] = encodings(model, weight_bits if g != "mtp" else {})
+            base = c_specs[SLM_GRAPHS[g]] if g != "mtp" else q_specs[MTP_GRAPH]
+            negative = slm["mask"]["mask_negative"] if g != "mtp" else mtp["mask"]["mask_negative"]
+            specs[g] = quantized_spec(base, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])
+        mtp.pop("prepared")
+        fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
+                                    mtp["mask"]["mask_negative"], tmp)
+        htp_results = {}
+        if config.htp_check:
+            reason = htp.qnn_available()
+            for g in ("tree", "prefill", "mtp"):
+                if reason:
+                    htp_results[g] = {"accepted": None, "skipped": reason, "cpu_nodes": None}
+                    continue
+                feeds = [evaluate.to_codes(f, specs[g]) for f in fidelity["htp_feeds"][g][:config.simulator_passes]]
+                htp_results[g] = htp.check_in_subprocess(out / OUT_NAMES[g], feeds)
+        fidelity.pop("htp_feeds")
+    from hyco.io_spec import write_io_spec
+
+    write_io_spec(out / "io_spec.json", list(specs.values()))
+    write_json(out / "encodings.json", {"version": ENCODINGS_VERSION, "format": "AIMET encodings, one section per graph",
+                                        "graphs": enc})
+    per_graph = {}
+    for g in ("tree", "prefill", "mtp"):
+        f = fidelity["graphs"][g]
+        h = htp_results.get(g, {})
+        mask = slm["mask"] if g != "mtp" else mtp["mask"]
+        per_graph[OUT_NAMES[g]] = {
+            "top1_agreement": f["top1_agreement"], "kl": f["kl"], "rows": f["rows"],
+            "cpu_nodes": h.get("cpu_nodes"), "htp_accepted": h.get("accepted"), "htp": h,
+            "mask_margin": {k: mask[k] for k in ("mask_negative", "max_masked_mass", "margin_nats", "worst_d",
+                                                 "max_visible_spread")},
+            "worst_layers": f["worst_layers"], "sqnr_db": f["sqnr_db"], "weights_bitexact": bitexact[g]}
+    report.update({"graphs": per_graph, "slm": {k: v for k, v in slm.items()}, "mtp": mtp,
+                   "fidelity_details": fidelity, "wall_s": round(time.perf_counter() - start, 2),
+                   "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": toolchain_versions()})
+    failed = proof_failures(per_graph)
+    report["proof_failed"] = failed
+    write_json(out / "report.json", report)
+    evaluate.plot_sqnr(per_graph, out / "sqnr.png")
+    (out / "summary.md").write_text(summary_md(report))
+    htp = "onnxruntime-qnn's HTP simulator: prefill.qdq.onnx's outputs vary between processes (same feeds)"
+    declare_nondeterministic("report.json", htp, ignore_pointers=["/graphs/*/htp/simulator_vs_cpu"])
+    declare_nondeterministic("summary.md", f"{htp}; prints this run's wall time and peak RSS")
+    if failed and not allow_proof_failure:
+        raise ProofFailed(f"calibrate: {failed}")
+    return {g: {"top1": v["top1_agreement"], "kl": round(v["kl"], 6), "cpu_nodes": v["cpu_nodes"]}
+            for g, v in per_graph.items()} | {"wall_s": report["wall_s"], "proof_failed": failed}
+
+
+def proof_failures(per_graph: dict[str, dict]) -> str | None:
+    """The stage's own proofs: integer weights bit-exact, masked slots below 1e-4 of the softmax
+    weight on the calibration data, and (where the HTP check ran) every node on QNN HTP."""
+    problems = []
+    for g, v in per_graph.items():
+        if not v["weights_bitexact"]["all_equal"]:
+            problems.append(f"{g}: weights not bit-exact ({v['weights_bitexact']['missing_or_different'][:3]})")
+        if v["mask_margin"]["max_masked_mass"] >= 1e-4:
+            problems.append(f"{g}: masked softmax mass {v['mask_margin']['max_masked_mass']:.2e} >= 1e-4")
+        if v["htp_accepted"] is False or (v["cpu_nodes"] or 0) > 0:
+            problems.append(f"{g}: not whole on QNN HTP (cpu_nodes {v['cpu_nodes']}, {v['htp'].get('error') or v['htp'].get('not_on_qnn')})")
+    return "; ".join(problems) or None
+
+
+def convert_weight_bits(convert: Path) -> dict[str, int]:
+    """convert's encodings: initializer -> the checkpoint's bit width (also under the folded
+    transpose's name)."""
+    enc = read_json(convert / "encodings.json", "encodings.json") if (convert / "encodings.json").is_file() else {}
+    out = {}
+    for e in enc.get("weights", {}).values():
+        out[e["onnx_initializer"]] = int(e["bits"])
+        out[e["onnx_initializer"] + "_t"] = int(e["bits"])
+    return out
+
+
+def quantized_spec(base, name: str, qparams: dict[str, dict], negative: float, parity: str):
+    """convert's / qat's GraphSpec for the QDQ graph: no logits output, KV as uint8 codes, the
+    quantization of every boundary tensor, the chosen mask value."""
+    import dataclasses
+
+    from hyco.io_spec import GraphSpec
+
+    def tensor(t):
+        q = qparams.get(t.name)
+        dtype = "uint8" if t.name.startswith(("k_ring_", "v_ring_", "new_k_", "new_v_")) else t.dtype
+        return dataclasses.replace(t, dtype=dtype, quant=q)
+
+    inputs = tuple(tensor(t) for t in base.inputs)
+    outputs = tuple(tensor(t) for t in base.outputs if t.name != "logits")
+    meta = dict(base.meta)
+    meta.update({"mask_negative": negative, "parity_graph": parity, "quantized": True,
+                 "source_graph": base.graph})
+    return GraphSpec(name, inputs, outputs, meta)
+
+
+def summary_md(report: dict[str, Any]) -> str:
+    md = "# calibrate: 16-bit activations, 8-bit KV (QDQ for QNN HTP)\n\n"
+    md += (f"Tool: {report['tool']}. Wall {report['wall_s']} s, peak RSS {report['peak_rss_mb']:.0f} MiB. "
+           f"Data: {report['data'].get('eval', {})}\n\n")
+    rows = []
+    for g, v in report["graphs"].items():
+        worst = v["worst_layers"][0] if v["worst_layers"] else {}
+        rows.append({"graph": g, "top1_agreement": round(v["top1_agreement"], 4), "kl": f"{v['kl']:.2e}",
+                     "rows": v["rows"], "cpu_nodes": v["cpu_nodes"],
+                     "mask": v["mask_margin"]["mask_negative"],
+                     "masked_mass": f"{v['mask_margin']['max_masked_mass']:.1e}",
+                     "worst_layer": f"{worst.get('layer')} {worst.get('sqnr_db', float('nan')):.1f} dB",
+                     "weights_bitexact": v["weights_bitexact"]["all_equal"]})
+    md += markdown_table(rows, list(rows[0]))
+    md += ("\nWhy onnxruntime's `get_qnn_qdq_config` + `quantize` rather than aimet-onnx's `from_onnx_qdq`: both keep "
+           "the prepared INT4/INT8 weights bit-exact, but onnxruntime's is already a dependency, takes explicit "
+           "scale/zero-point overrides (KV at 1.2 x p99.9, the MTP inputs' p99.99 ranges, the mask's exact grid), "
+           "converts between 8- and 16-bit grids where the overrides meet, and keeps the checkpoint's SRQ encodings "
+           "that aimet-onnx drops in front of o_proj.\n")
+    md += ("\nFidelity: QDQ graph vs its float graph on onnxruntime CPU (optimisations off), on the reserved "
+           "EVAL prompts' answers (never used for calibration), each graph driven as the runtime drives it. "
+           "KL = mean KL(float || QDQ) over the keep set. SQNR per layer: sqnr.png.\n")
+    for g, v in report["graphs"].items():
+        s = v["htp"].get("simulator_vs_cpu")
+        if s:
+            md += (f"\n{g}: HTP simulator vs CPU EP on the same QDQ graph: {s['topk_ids_equal_rows']}/{s['rows']} rows "
+                   f"with equal top-k ids, top-1 {s['top1_equal_rows']}/{s['rows']}, max |log-prob diff| "
+                   f"{s['max_abs_logprob_diff']:.4f} over {s['passes']} passes.\n")
+    return md
+
+
+# --- pipeline hooks ------------------------------------------------------------------------------
+
+
+def section(recipe: Recipe) -> dict[str, Any]:
+    return {"calibrate": to_dict(recipe.calibrate)}
+
+
+def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
+    run_dir = Path(run_dir)
+    for stage in ("convert", "qat", "vocab"):
+        if stage not in recipe.stages:
+            raise HycoError(f"the calibrate stage needs the {stage} stage in the recipe's stages, but got "
+                            f"{list(recipe.stages)}")
+    return {"convert": run_dir / "convert", "qat": run_dir / "qat", "vocab": run_dir / "vocab"}
+
+
+def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
+    paths = inputs(recipe, run_dir)
+    return calibrate(convert=paths["convert"], qat=paths["qat"], vocab=paths["vocab"], out=out,
+                     config=recipe.calibrate, allow_proof_failure=recipe.allow_parity_failure)

@@ -1,0 +1,132 @@
+"""The bundle: everything the phone (or the smoke test) needs, and `bundle.json` describing it.
+
+bundle.json lists every file with its sha256 and size, and per graph the SoC, the QNN build,
+the graph names and I/O read back from the context binary itself (libQnnSystem), checked
+against io_spec.json, plus the weight bytes one pass reads. `verify_bundle` re-checks all of it
+before anything runs: a flipped byte, a missing LUT or an io_spec that disagrees with a binary
+fails with one line naming the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyco.artifacts import read_json, sha256_file
+from hyco.errors import HycoError
+from hyco.io_spec import GraphSpec, read_io_spec
+
+BUNDLE_JSON = "bundle.json"
+BUNDLE_VERSION = 1
+# What the runtime reads besides the graphs (SLM LUTs, rotary, keep set, MTP table).
+REQUIRED = ("io_spec.json", "rope.json", "luts/embed_tokens.safetensors", "embed_lut.safetensors",
+            "keep_set.json", "keep_to_vocab.npy", "vocab_to_keep.npy")
+
+
+def weight_bytes(graph: Path) -> int:
+    """Bytes of every initializer (INT4 packed two per byte): what one pass reads from memory."""
+    import onnx
+    from onnx import TensorProto
+
+    bits = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.INT8: 8, TensorProto.UINT8: 8,
+            TensorProto.INT16: 16, TensorProto.UINT16: 16, TensorProto.FLOAT16: 16, TensorProto.BFLOAT16: 16,
+            TensorProto.INT32: 32, TensorProto.FLOAT: 32, TensorProto.INT64: 64, TensorProto.DOUBLE: 64,
+            TensorProto.BOOL: 8}
+    model = onnx.load(str(graph), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_type not in bits:
+            raise HycoError(f"{graph}: initializer {t.name!r} has an unexpected data type {t.data_type}")
+        total += (int(np.prod(t.dims, dtype=np.int64)) * bits[t.data_type] + 7) // 8
+    return total
+
+
+def binary_dtype(t) -> str:
+    """How a QNN binary describes an io_spec tensor: integer codes on a quantization grid are
+    fixed-point tensors there (uint8 -> ufixed8); everything else keeps its type."""
+    if t.quant is not None and t.dtype in ("uint8", "uint16"):
+        return "ufixed" + t.dtype[4:]
+    return t.dtype
+
+
+def check_binary_io(info: dict[str, Any], spec: GraphSpec, binary: str, spec_file: str) -> None:
+    """The binary's graph I/O (names, shapes, dtypes, quantization grids) must be io_spec's, in
+    any order; a shared context holds several graphs, and one of them must match."""
+    errors = []
+    for graph in info["graphs"]:
+        try:
+            return _check_graph_io(graph, spec, binary, spec_file)
+        except HycoError as e:
+            errors.append(e)
+    if not errors:
+        raise HycoError(f"{binary}: holds no graph")
+    raise errors[0]
+
+
+def _check_graph_io(graph: dict[str, Any], spec: GraphSpec, binary: str, spec_file: str) -> None:
+    for kind, expected in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+        actual = {t["name"]: t for t in graph[kind]}
+        for t in expected:
+            got = actual.pop(t.name, None)
+            if got is None:
+                raise HycoError(f"{spec_file}: {spec.graph} {kind[:-1]} {t.name!r} is not in {binary} "
+                                f"(binary has {', '.join(x['name'] for x in graph[kind])})")
+            want = binary_dtype(t)
+            if tuple(got["shape"]) != tuple(t.shape) or got["dtype"] != want:
+                raise HycoError(f"{spec_file}: {spec.graph} {kind[:-1]} {t.name!r} is {want}{list(t.shape)}, but "
+                                f"{binary} has {got['dtype']}{got['shape']}")
+            if want.startswith("ufixed"):  # QNN: value = scale * (code + offset), offset = -zero_point
+                q = t.quant
+                if got.get("offset") != -int(q["zero_point"]) or not np.isclose(got.get("scale", 0), q["scale"], rtol=1e-6):
+                    raise HycoError(f"{spec_file}: {spec.graph} {kind[:-1]} {t.name!r} has scale {q['scale']} zero "
+                                    f"point {q['zero_point']}, but {binary} has scale {got.get('scale')} offset "
+                                    f"{got.get('offset')}")
+        if actual:
+            raise HycoError(f"{binary}: {kind[:-1]} {sorted(actual)[0]!r} is not in {spec_file} ({spec.graph})")
+
+
+def file_table(bundle: Path) -> dict[str, dict[str, Any]]:
+    return {str(p.relative_to(bundle)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(bundle.rglob("*")) if p.is_file() and p.name != BUNDLE_JSON}
+
+
+def verify_bundle(bundle: Path) -> dict[str, Any]:
+    """Check every file against bundle.json and every binary against io_spec; returns bundle.json."""
+    from hyco.export.qnn_system import binary_info
+
+    bundle = Path(bundle)
+    meta = read_json(bundle / BUNDLE_JSON, BUNDLE_JSON)
+    if meta.get("version") != BUNDLE_VERSION:
+        raise HycoError(f"{bundle / BUNDLE_JSON}: version must be {BUNDLE_VERSION}, but got {meta.get('version')}")
+    for name in REQUIRED:
+        if name not in meta["files"]:
+            raise HycoError(f"{bundle / BUNDLE_JSON}: lists no {name} (the runtime needs it)")
+    for name, row in meta["files"].items():
+        path = bundle / name
+        if not path.is_file():
+            raise HycoError(f"{path}: missing from the bundle")
+        if path.stat().st_size != row["bytes"]:
+            raise HycoError(f"{path}: {path.stat().st_size} bytes, but bundle.json says {row['bytes']}")
+        if sha256_file(path) != row["sha256"]:
+            raise HycoError(f"{path}: sha256 differs from bundle.json (corrupt or modified)")
+    specs = read_io_spec(bundle / "io_spec.json")
+    for role, g in meta["graphs"].items():
+        if g["spec"] not in specs:
+            raise HycoError(f"{bundle / 'io_spec.json'}: no graph {g['spec']!r} (bundle.json's {role})")
+        if len(g["parts"]) > 1:  # a split graph: its parts' outer I/O must be io_spec's
+            parts_io = {t["name"]: t for part in g["parts"] for kind in ("inputs", "outputs") for t in part["io"][kind]}
+            for t in (*specs[g["spec"]].inputs, *specs[g["spec"]].outputs):
+                got = parts_io.get(t.name)
+                if got is None or tuple(got["shape"]) != t.shape or got["dtype"] != t.dtype or got.get("quant") != t.quant:
+                    raise HycoError(f"{bundle / 'io_spec.json'}: {g['spec']} tensor {t.name!r} ({t.dtype}{list(t.shape)}) "
+                                    f"is not what the parts of {role} in bundle.json take or return")
+        for part in g["parts"]:
+            info = binary_info(bundle / part["binary"])
+            if info["soc_model"] is not None and info["soc_model"] != meta["soc_model"]:
+                raise HycoError(f"{bundle / part['binary']}: built for soc_model {info['soc_model']}, but the bundle "
+                                f"targets {meta['soc_model']}")
+            part_spec = GraphSpec.from_dict(part["io"]) if len(g["parts"]) > 1 else specs[g["spec"]]
+            check_binary_io(info, part_spec, str(bundle / part["binary"]), str(bundle / "io_spec.json"))
+    return meta

@@ -1,0 +1,101 @@
+"""`hyco-convert export` (QDQ graphs -> QNN context binaries + bundle, or qai-hub jobs with --hub)
+and `hyco-convert smoke` (hybrid drafting through a bundle's binaries on the HTP backend):
+thin wrappers over `hyco.export.stage.export`, `hyco.export.hub.hub_export` and
+`hyco.export.smoke.smoke`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from hyco.recipe import ExportConfig, to_dict
+
+_DEFAULT = ExportConfig()
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="QNN HTP context binaries for SM8850 (soc_model 87) and a self-describing bundle",
+        description="Compile calibrate's tree, prefill and mtp_step QDQ graphs offline (onnxruntime-qnn, prepare "
+        "only) into QNN context binaries for --soc-model, and write OUT/bundle/ (binaries, EPContext wrappers, CPU "
+        "LUTs, keep set, rope spec, io_spec, encodings, tokenizer, bundle.json with sha256 per file and the I/O read "
+        "back from each binary), report.json and summary.md. With --hub: compile and profile on a qai-hub device.")
+    p.add_argument("--calibrate", required=True, help="calibrate stage output (tree/prefill/mtp_step .qdq.onnx)")
+    p.add_argument("--convert", required=True, help="convert stage output (luts/, rope.json, encodings.json)")
+    p.add_argument("--qat", required=True, help="qat stage output (embed_lut.safetensors, encodings.json)")
+    p.add_argument("--vocab", required=True, help="vocab stage output (keep set, reserved prompts)")
+    p.add_argument("--tokenizer", help="tokenizer folder to ship in the bundle")
+    p.add_argument("--verifier", help="reference verifier checkpoint: recorded in bundle.json for `smoke`, and "
+                   "the stage ends with a smoke run when given")
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model, help="QNN soc_model (87: SM8850)")
+    p.add_argument("--htp-arch", type=int, help="Hexagon arch; must be the SoC's own (default: the SoC's)")
+    p.add_argument("--max-context-bytes", type=int, default=_DEFAULT.max_context_bytes,
+                   help="split a graph whose weights exceed this into layer-range contexts")
+    p.add_argument("--smoke-prompts", type=int, default=_DEFAULT.smoke_prompts, help="smoke run prompts (0: none)")
+    p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token)")
+    p.add_argument("--device", default=_DEFAULT.device, help="qai-hub device name")
+    p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    p.set_defaults(func=_cmd_export)
+
+    s = sub.add_parser(
+        "smoke", help="hybrid drafting through a bundle's context binaries on the QNN HTP backend, vs onnxruntime CPU",
+        description="Load only BUNDLE, run the SLM and MTP drafters through its context binaries on the QNN HTP "
+        "backend (the x86 simulator on a workstation) for a few rounds of greedy exact hybrid drafting against the "
+        "reference verifier, and compare every pass with onnxruntime CPU on the bundle's QDQ graphs: top-k ids, "
+        "log-probs within the tolerance, committed tokens. Writes report.json and summary.md into --out.")
+    s.add_argument("bundle", help="an export output's bundle/ folder")
+    s.add_argument("--verifier", help="reference verifier checkpoint (default: the one bundle.json names)")
+    s.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts from the bundle's prompts.jsonl")
+    s.add_argument("--rounds", type=int, default=3, metavar="R", help="drafting rounds per prompt")
+    s.add_argument("--tolerance", type=float, default=_DEFAULT.logprob_tolerance,
+                   help="max |log-prob| difference HTP vs CPU")
+    s.add_argument("--no-isolate", action="store_true",
+                   help="run every context in this process (HTP results were seen to leak between sessions)")
+    s.add_argument("--out", help="report folder (default: BUNDLE/../smoke)")
+    s.set_defaults(func=_cmd_smoke)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hyco.export.stage import export
+
+    from hyco.artifacts import run_stage, stage_state
+    from hyco.errors import HycoError
+
+    try:
+        config = dataclasses.replace(_DEFAULT, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
+                                     max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts)
+    except ValueError as e:
+        raise HycoError(str(e)) from None
+    if args.hub:
+        from hyco.export.hub import hub_export
+
+        result = hub_export(calibrate=Path(args.calibrate), out=Path(args.out), config=config)
+        print(f"wrote {args.out}/hub.json: {len(result['jobs'])} qai-hub jobs on {config.device!r}")
+        return 0
+    paths = {k: Path(getattr(args, k)) for k in ("calibrate", "convert", "qat", "vocab")}
+    inputs = dict(paths)
+    for k in ("tokenizer", "verifier"):
+        if getattr(args, k):
+            inputs[k] = Path(getattr(args, k))
+    manifest = run_stage("export", Path(args.out), {"export": to_dict(config)}, inputs,
+                         lambda tmp: export(**paths, out=tmp, config=config, tokenizer=inputs.get("tokenizer"),
+                                            verifier=inputs.get("verifier")), force=args.force)
+    s = manifest["summary"]
+    sizes = ", ".join(f"{k} {v:,} B" for k, v in s["binaries"].items())
+    print(f"wrote {args.out}/bundle ({stage_state(manifest)}): {sizes}; smoke passed: {s['smoke_passed']}")
+    print(f"next: hyco-convert smoke {args.out}/bundle")
+    return 0
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    from hyco.export.smoke import smoke
+
+    bundle = Path(args.bundle)
+    out = Path(args.out) if args.out else bundle.parent / "smoke"
+    report = smoke(bundle=bundle, verifier=Path(args.verifier) if args.verifier else None, prompts=args.prompts,
+                   rounds=args.rounds, tolerance=args.tolerance, isolate=not args.no_isolate, out=out)
+    print(report["headline"])
+    print(f"wrote {out}/report.json, summary.md")
+    return 0 if report["passed"] else 1

@@ -1,0 +1,204 @@
+"""The export stage: calibrate's QDQ graphs -> QNN context binaries for the recipe's SoC, in a
+self-describing bundle (OUT/bundle/), then a smoke run on that bundle.
+
+`export(calibrate=..., convert=..., qat=..., vocab=..., tokenizer=..., out=..., config=...)` is
+the whole stage as a keyword-only function; the pipeline (`inputs`/`build`) and the CLI
+(`export/cli.py`) wrap it. Nothing runs on the HTP while compiling (prepare only); the smoke
+test at the end loads the binaries on the HTP backend (the x86 simulator here).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from hyco.artifacts import markdown_table, peak_rss_mb, toolchain_versions, write_json
+from hyco.errors import HycoError
+from hyco.io_spec import GraphSpec, read_io_spec, write_io_spec
+from hyco.recipe import ExportConfig, Recipe, to_dict
+from hyco.stages import stage_dir
+
+# role -> calibrate's file name (its io_spec.json is keyed by these)
+GRAPHS = {"tree": "tree.qdq.onnx", "prefill": "prefill.qdq.onnx", "mtp_step": "mtp_step.qdq.onnx"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def _copy(src: Path, dst: Path, what: str) -> None:
+    if not src.is_file():
+        raise HycoError(f"{src}: {what} not found")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def _copy_graph(src: Path, dst_dir: Path) -> None:
+    """A graph and its external-data file(s), by the locations the graph names."""
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=False)
+    _copy(src, dst_dir / src.name, "graph")
+    locations = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    for loc in sorted(locations):
+        _copy(src.parent / loc, dst_dir / loc, f"external data of {src.name}")
+
+
+def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path, vocab: Path, tokenizer: Path | None,
+                  reference_graphs: bool) -> dict[str, GraphSpec]:
+    """Copy the non-graph pieces into the bundle; return calibrate's graph specs."""
+    specs = read_io_spec(calibrate / "io_spec.json")
+    for role, name in GRAPHS.items():
+        if name not in specs or not (calibrate / name).is_file():
+            raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
+    write_io_spec(bundle / "io_spec.json", [specs[name] for name in GRAPHS.values()])
+    for name in ("encodings.json",):
+        _copy(calibrate / name, bundle / "encodings" / f"calibrate.{name}", "calibrate encodings")
+    _copy(convert / "encodings.json", bundle / "encodings" / "convert.encodings.json", "convert encodings")
+    _copy(qat / "encodings.json", bundle / "encodings" / "qat.encodings.json", "qat encodings")
+    _copy(convert / "rope.json", bundle / "rope.json", "rope spec")
+    for lut in sorted((convert / "luts").glob("*.safetensors")):
+        _copy(lut, bundle / "luts" / lut.name, "CPU LUT")
+    if not (bundle / "luts" / "embed_tokens.safetensors").is_file():
+        raise HycoError(f"{convert / 'luts' / 'embed_tokens.safetensors'}: CPU LUT not found")
+    _copy(qat / "embed_lut.safetensors", bundle / "embed_lut.safetensors", "MTP embedding LUT")
+    for name in ("keep_set.json", "keep_to_vocab.npy", "vocab_to_keep.npy"):
+        _copy(vocab / name, bundle / name, "keep set")
+    if (vocab / "prompts.jsonl").is_file():  # the reserved evaluation prompts, for the smoke test
+        _copy(vocab / "prompts.jsonl", bundle / "prompts.jsonl", "prompts")
+    if tokenizer is not None:
+        found = [n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
+        if "tokenizer.json" not in found:
+            raise HycoError(f"{tokenizer / 'tokenizer.json'}: tokenizer not found")
+        for n in found:
+            _copy(tokenizer / n, bundle / "tokenizer" / n, "tokenizer file")
+    if reference_graphs:
+        for name in GRAPHS.values():
+            _copy_graph(calibrate / name, bundle / "reference")
+    return specs
+
+
+def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], config: ExportConfig) -> dict[str, Any]:
+    from hyco.export.bundle import check_binary_io, weight_bytes
+    from hyco.export.qnn import compile_context
+    from hyco.export.qnn_system import binary_info
+    from hyco.export.split import split_graph
+
+    graphs = {}
+    shared = {}
+    if config.share_contexts:  # tree and prefill: one binary, one copy of their common weights
+        from hyco.export.qnn import compile_shared
+
+        roles = ("tree", "prefill")
+        if any(weight_bytes(calibrate / GRAPHS[r]) > config.max_context_bytes for r in roles):
+            raise HycoError("export.share_contexts: tree or prefill exceeds export.max_context_bytes; a split graph "
+                            "cannot share its context (set share_contexts false)")
+        shared = dict(zip(roles, compile_shared([(calibrate / GRAPHS[r], r) for r in roles], bundle,
+                                                soc_model=config.soc_model), strict=True))
+    for role, name in GRAPHS.items():
+        source = calibrate / name
+        weights = weight_bytes(source)
+        parts = split_graph(source, bundle / ".split" / role, config.max_context_bytes, specs[name]) \
+            if weights > config.max_context_bytes and role not in shared else [(source, specs[name])]
+        rows = []
+        for i, (graph, part_spec) in enumerate(parts):
+            stem = role if len(parts) == 1 else f"{role}.part{i}"
+            compiled = shared.get(role) or compile_context(graph, bundle, stem, soc_model=config.soc_model)
+            info = binary_info(compiled.binary)
+            check_binary_io(info, part_spec, str(compiled.binary), str(calibrate / "io_spec.json"))
+            rows.append({"context": compiled.context.name, "binary": compiled.binary.name,
+                         "binary_bytes": compiled.binary.stat().st_size, "compile_s": compiled.compile_s,
+                         "nodes": compiled.nodes, "weight_bytes": weight_bytes(graph),
+                         "qnn_graphs": [g["name"] for g in info["graphs"]], "qnn_build": info["build_id"],
+                         "core_api": info["core_api"], "backend_api": info["backend_api"],
+                         "soc_model": info["soc_model"], "io": part_spec.to_dict(), "binary_io": info["graphs"][0]})
+        graphs[role] = {"spec": name, "reference": f"reference/{name}" if config.reference_graphs else None,
+                        "weight_bytes": weights, "shared_context": role in shared, "parts": rows}
+        if role in shared:
+            graphs[role]["verified"] = False
+            graphs[role]["note"] = ("shares one context binary with " + " and ".join(r for r in shared if r != role)
+                                    + "; UNVERIFIED: the x86 simulator cannot load a shared context, so no run here "
+                                    "has loaded it (a device run through qai-hub must)")
+    shutil.rmtree(bundle / ".split", ignore_errors=True)
+    return graphs
+
+
+def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path, config: ExportConfig,
+           tokenizer: Path | None = None, verifier: Path | None = None) -> dict[str, Any]:
+    """Write OUT/bundle/ (binaries + everything the runtime reads + bundle.json), report.json and
+    summary.md; then, with `config.smoke_prompts` and a `verifier`, smoke-test the bundle on the
+    HTP backend (a failure stops the stage). Returns a short summary for the manifest."""
+    from hyco.export.bundle import BUNDLE_JSON, BUNDLE_VERSION, file_table
+    from hyco.export.qnn import soc_info
+
+    start = time.perf_counter()
+    chip, arch = soc_info(config.soc_model, config.htp_arch)
+    if config.backend == "qai-hub":
+        raise HycoError("export.backend 'qai-hub': use `hyco-convert export --hub` (compile and profile jobs on "
+                        f"{config.device!r}); the pipeline compiles offline with onnxruntime-qnn")
+    out = Path(out)
+    bundle = out / "bundle"
+    bundle.mkdir(parents=True, exist_ok=True)
+    specs = gather_inputs(bundle, calibrate=Path(calibrate), convert=Path(convert), qat=Path(qat), vocab=Path(vocab),
+                          tokenizer=Path(tokenizer) if tokenizer else None, reference_graphs=config.reference_graphs)
+    graphs = compile_graphs(bundle, Path(calibrate), specs, config)
+    versions = toolchain_versions()
+    meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch,
+            "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"], "onnxruntime_qnn": versions.get("onnxruntime-qnn"),
+            "reference_verifier": str(verifier) if verifier else None,
+            "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
+                    "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
+                    "test's CPU run and is not needed on the phone.",
+            "graphs": graphs, "files": file_table(bundle)}
+    write_json(bundle / BUNDLE_JSON, meta)
+    smoke = None
+    if config.smoke_prompts and verifier is not None and not config.share_contexts:
+        from hyco.export.smoke import smoke as run_smoke
+
+        smoke = run_smoke(bundle=bundle, verifier=Path(verifier), prompts=config.smoke_prompts,
+                          rounds=config.smoke_rounds, tolerance=config.logprob_tolerance, isolate=config.isolate,
+                          out=out / "smoke")
+        if not smoke["passed"]:  # the bundle's proof failed: the stage stops, nothing moves into place
+            worst = ", ".join(f"{g} max |dlogprob| {v['max_logprob_diff']}, {v['id_mismatches']} id mismatches"
+                              for g, v in smoke["by_graph"].items())
+            raise HycoError(f"{bundle}: {smoke['headline']} ({worst})")
+    rows = [{"graph": role, "part": p["binary"], "weight_bytes": p["weight_bytes"], "binary_bytes": p["binary_bytes"],
+             "compile_s": p["compile_s"], "nodes": p["nodes"]} for role, g in graphs.items() for p in g["parts"]]
+    report = {"soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "qnn_sdk": meta["qnn_sdk"],
+              "graphs": rows, "smoke": smoke, "wall_s": round(time.perf_counter() - start, 2),
+              "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": versions}
+    write_json(out / "report.json", report)
+    md = (f"# export: QNN context binaries for soc_model {config.soc_model} ({chip}, Hexagon v{arch})\n\n"
+          f"QNN SDK {meta['qnn_sdk']}; bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
+          f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0])))
+    if smoke is not None:
+        md += "\n" + smoke["summary_md"]
+    (out / "summary.md").write_text(md)
+    return {"soc_model": config.soc_model, "binaries": {r["part"]: r["binary_bytes"] for r in rows},
+            "compile_s": round(sum(r["compile_s"] for r in rows), 2),
+            "smoke_passed": None if smoke is None else smoke["passed"]}
+
+
+# --- pipeline hooks ------------------------------------------------------------------------------
+
+
+def section(recipe: Recipe) -> dict[str, Any]:
+    return {"export": to_dict(recipe.export)}
+
+
+def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
+    for stage in ("vocab", "convert", "qat", "calibrate"):
+        if stage not in recipe.stages:
+            raise HycoError(f"the export stage needs the {stage} stage's outputs; add {stage} to the recipe's stages")
+    paths = {stage: stage_dir(run_dir, stage) for stage in ("calibrate", "convert", "qat", "vocab")}
+    for name in ("tokenizer", "verifier"):
+        path = recipe.path(getattr(recipe.models, name), run_dir)
+        if path is not None:
+            paths[name] = path
+    return paths
+
+
+def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
+    paths = inputs(recipe, run_dir)
+    return export(calibrate=paths["calibrate"], convert=paths["convert"], qat=paths["qat"], vocab=paths["vocab"],
+                  tokenizer=paths.get("tokenizer"), verifier=paths.get("verifier"), out=out, config=recipe.export)

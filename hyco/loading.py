@@ -1,0 +1,352 @@
+"""Reading a stage's inputs: one place where library errors become HycoError.
+
+safetensors, transformers, tokenizers, numpy, json and yaml each fail on bad input in their own
+way (SafetensorError, OSError, ValueError, a KeyError deep inside a loader...). Every stage reads
+its inputs through these functions, so a truncated shard, a header that lies, a tensor of the
+wrong dtype or shape, NaN weights or a broken config all end the same way: one HycoError that
+names the file and, where there is one, the tensor; the CLI prints it on one line and exits 2.
+
+Checks are cheap before they are thorough: safetensors headers (a few KB per shard) are read
+and checked against the file size first; tensors are read one at a time; the finiteness check
+runs on the loaded parameters (one pass over memory, no second copy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hyco.errors import HycoError
+
+# safetensors dtype -> bytes per element (the format's spec)
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def _library_errors() -> tuple[type[BaseException], ...]:
+    """What the loaders raise on bad files (never a programming error of ours: no AttributeError)."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, IndexError, RuntimeError, TypeError, EOFError, UnicodeDecodeError,
+            SafetensorError)
+
+
+def one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+# --- json, jsonl, yaml, npy ---------------------------------------------------------------------
+
+
+def read_json(path: str | Path, what: str = "file") -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise HycoError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise HycoError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HycoError(f"{path}: cannot read ({one_line(e)})") from None
+
+
+def read_jsonl(path: str | Path, what: str = "file") -> list[Any]:
+    """Every line of a JSON-lines file the stages wrote (prompts, answers): a bad line is an error
+    naming the file and the line (such files are ours; a cut one is not silently shortened)."""
+    path = Path(path)
+    if not path.is_file():
+        raise HycoError(f"{what} not found: {path}")
+    records = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise HycoError(f"{path}: cannot read ({one_line(e)})") from None
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise HycoError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    return records
+
+
+def read_yaml(path: str | Path, what: str = "file") -> Any:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise HycoError(f"{what} not found: {path}")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise HycoError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HycoError(f"{path}: cannot read ({one_line(e)})") from None
+
+
+def load_npy(path: str | Path, dtype, shape: tuple[int, ...] | None = None, what: str = "array"):
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise HycoError(f"{what} not found: {path}")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise HycoError(f"{path}: not a readable .npy ({one_line(e)})") from None
+    if array.dtype != np.dtype(dtype) or (shape is not None and array.shape != tuple(shape)):
+        want = f"{np.dtype(dtype).name}{list(shape) if shape is not None else ''}"
+        raise HycoError(f"{path}: must be {want}, but got {array.dtype}{list(array.shape)}")
+    return array
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+
+def safetensors_header(path: str | Path) -> dict[str, Any]:
+    """The header of a safetensors file, checked whole: JSON, every entry's dtype, shape and byte
+    span, and that the file holds every byte the header declares. Tensor name -> entry."""
+    path = Path(path)
+    if not path.is_file():
+        raise HycoError(f"safetensors file not found: {path}")
+    size = path.stat().st_size
+    if size < 8:
+        raise HycoError(f"{path}: empty or truncated safetensors file ({size} bytes, no header)")
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise HycoError(f"{path}: corrupt or truncated safetensors header (declares {n} header bytes, "
+                                f"the file has {size})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HycoError(f"{path}: corrupt safetensors header ({one_line(e)})") from None
+    if not isinstance(header, dict):
+        raise HycoError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise HycoError(f"{path}: tensor {name!r}: corrupt header entry {info!r:.120}") from None
+        if dtype not in DTYPE_BYTES:
+            raise HycoError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise HycoError(f"{path}: tensor {name!r} is {dtype}{shape} but spans {end - begin} bytes in the header")
+        if end > data:
+            raise HycoError(f"{path}: truncated: tensor {name!r} ends at data byte {end}, the file holds {data}")
+    return header
+
+
+def open_safetensors(path: str | Path, framework: str = "pt"):
+    """safetensors' lazy reader (also a context manager), after the header checks."""
+    from safetensors import safe_open
+
+    safetensors_header(path)
+    try:
+        return safe_open(str(path), framework=framework)
+    except _library_errors() as e:
+        raise HycoError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
+
+
+def read_tensor(handle, name: str, path: str | Path):
+    """One tensor of an open file; `path` is for the message."""
+    try:
+        return handle.get_tensor(name)
+    except _library_errors() as e:
+        raise HycoError(f"{path}: cannot read tensor {name!r} ({one_line(e)})") from None
+
+
+def load_safetensors(path: str | Path, framework: str = "pt") -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors, metadata) of a whole (small) safetensors file: captures, LUTs, heads."""
+    with open_safetensors(path, framework) as f:
+        meta = f.metadata() or {}
+        return {name: read_tensor(f, name, path) for name in f.keys()}, meta
+
+
+def require_tensor(tensors: dict[str, Any], name: str, path: str | Path, dtype=None,
+                   shape: tuple[int | None, ...] | None = None):
+    """tensors[name], checked for presence, dtype and shape (None: any size on that axis)."""
+    if name not in tensors:
+        raise HycoError(f"{path}: tensor {name!r} is missing")
+    t = tensors[name]
+    got_shape = tuple(t.shape)
+    if dtype is not None and t.dtype != dtype:
+        raise HycoError(f"{path}: tensor {name!r} must be {dtype}, but got {t.dtype}")
+    if shape is not None and (len(got_shape) != len(shape)
+                              or any(w is not None and w != g for w, g in zip(shape, got_shape, strict=True))):
+        want = [("*" if w is None else w) for w in shape]
+        raise HycoError(f"{path}: tensor {name!r} must have shape {want}, but got {list(got_shape)}")
+    return t
+
+
+# --- checkpoint folders -------------------------------------------------------------------------
+
+
+def checkpoint_files(folder: str | Path, what: str = "checkpoint") -> dict[str, tuple[str, tuple[int, ...], Path]]:
+    """Check a transformers checkpoint folder without loading it: config.json parses, the index
+    (if any) parses and its shards exist, every shard's header is whole and the file is not cut,
+    and every tensor the index names is in its shard. Tensor name -> (dtype, shape, file)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HycoError(f"{what} checkpoint not found: {folder}")
+    config = read_json(folder / "config.json", f"{what} config.json")
+    if not isinstance(config, dict):
+        raise HycoError(f"{folder / 'config.json'}: must be a JSON object")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = read_json(index, "safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HycoError(f"{index}: no 'weight_map' of tensor -> shard")
+        shards = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        weight_map, shards = None, ["model.safetensors"]
+    else:
+        raise HycoError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, tuple[str, tuple[int, ...], Path]] = {}
+    for shard in shards:
+        path = folder / shard
+        if not path.is_file():
+            raise HycoError(f"{path}: listed in {index.name} but missing")
+        for name, info in safetensors_header(path).items():
+            if name != "__metadata__":
+                tensors[name] = (info["dtype"], tuple(info["shape"]), path)
+    for name, shard in (weight_map or {}).items():
+        if name not in tensors or tensors[name][2].name != shard:
+            raise HycoError(f"{folder / shard}: tensor {name!r} is listed in {index.name} but not in this shard")
+    return tensors
+
+
+def check_float_checkpoint(tensors: dict[str, tuple[str, tuple[int, ...], Path]], what: str) -> None:
+    """A float checkpoint (verifier, assistant) holds float tensors only: transformers would cast
+    an integer tensor to float without a word."""
+    for name, (dtype, _, path) in sorted(tensors.items()):
+        if dtype not in FLOAT_DTYPES:
+            raise HycoError(f"{path}: tensor {name!r} is {dtype}, but the {what} is a float checkpoint "
+                            f"({', '.join(sorted(FLOAT_DTYPES))})")
+
+
+def check_scales(tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> int:
+    """QAT-format scales are finite; weight and embedding scales are positive (a zero scale zeroes
+    a row, NaN poisons every logit); activation and KV-cache scales are >= 0 (0 = off). Reads only
+    the scale tensors. Returns how many were checked."""
+    import torch
+
+    by_file: dict[Path, list[str]] = {}
+    for name, (_, _, path) in tensors.items():
+        if name.endswith("_scale"):
+            by_file.setdefault(path, []).append(name)
+    for path, names in sorted(by_file.items()):
+        with open_safetensors(path) as f:
+            for name in sorted(names):
+                t = read_tensor(f, name, path).float()
+                if not bool(torch.isfinite(t).all()):
+                    raise HycoError(f"{path}: tensor {name!r} holds NaN or Inf")
+                positive = name.endswith(("weight_scale", "embedding_scale"))
+                if bool((t <= 0).any()) if positive else bool((t < 0).any()):
+                    raise HycoError(f"{path}: tensor {name!r} must be {'> 0' if positive else '>= 0'}, "
+                                    f"but holds {float(t.min()):g}")
+    return sum(len(v) for v in by_file.values())
+
+
+def load_config(folder: str | Path, what: str = "model"):
+    """transformers' AutoConfig of a local folder."""
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    read_json(folder / "config.json", f"{what} config.json")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except _library_errors() as e:
+        raise HycoError(f"{folder / 'config.json'}: transformers cannot read the {what} config ({one_line(e)})") from None
+
+
+def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint: bool = True,
+                    check_finite: bool = True, **kwargs):
+    """`cls.from_pretrained(folder, **kwargs)` (default AutoModelForCausalLM) on a checked local
+    folder. Refuses what transformers would only warn about: a tensor missing from the
+    checkpoint (it would be left at random init), one of the wrong shape, NaN or Inf weights."""
+    import torch
+
+    if cls is None:
+        from transformers import AutoModelForCausalLM as cls
+    folder = Path(folder)
+    tensors = checkpoint_files(folder, what)
+    if float_checkpoint:
+        check_float_checkpoint(tensors, what)
+    from transformers.utils import logging as hf_logging
+
+    # transformers reports a missing or misshapen tensor as a multi-line warning table and goes on
+    # with random weights; here it is refused below in one line, so its bar and report stay quiet.
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        # ignore_mismatched_sizes: hand back the misshapen tensors by name; refused just below
+        model, info = cls.from_pretrained(str(folder), output_loading_info=True,
+                                          **{"ignore_mismatched_sizes": True, **kwargs})
+    except _library_errors() as e:
+        raise HycoError(f"{folder}: cannot load the {what} ({one_line(e)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+    for key in ("missing_keys", "mismatched_keys"):
+        bad = sorted(info.get(key) or [])
+        if bad:
+            first = bad[0] if isinstance(bad[0], str) else bad[0][0]
+            kind = "missing from" if key == "missing_keys" else "of the wrong shape in"
+            shapes = "" if isinstance(bad[0], str) else f": {list(bad[0][1])}, the model needs {list(bad[0][2])}"
+            raise HycoError(f"{folder}: tensor {first!r} is {kind} the {what} checkpoint{shapes} ({len(bad)} such)")
+    if check_finite:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                    raise HycoError(f"{folder}: tensor {name!r} of the {what} holds NaN or Inf")
+    return model
+
+
+def load_tokenizer(folder: str | Path, what: str = "tokenizer", *, require_fast: bool = False):
+    """A tokenizer from a local folder."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HycoError(f"{what} folder not found: {folder}")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise HycoError(f"{what} not found: {folder / 'tokenizer.json'}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            read_json(folder / name, name)  # a cut file is named here, not deep inside tokenizers
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises bare Exception subclasses of its own
+        raise HycoError(f"{folder}: cannot load the {what} ({one_line(e)})") from None
+    if require_fast and not getattr(tokenizer, "is_fast", False):
+        raise HycoError(f"{folder}: needs a fast tokenizer (tokenizer.json)")
+    return tokenizer
+
+
+def preflight(path: str | Path) -> None:
+    """The cheap checks of an input folder that exists: a checkpoint's config, index and shard
+    headers (no tensor read), a tokenizer's JSON files. A missing path is left to the stage that
+    reads it; a dataset file is not read here (one cut mid-record is read up to its last record)."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
+        checkpoint_files(path, path.name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            read_json(path / name, name)

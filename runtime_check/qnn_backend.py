@@ -1,0 +1,223 @@
+"""The `qnn` drafter backend: both drafters through an export bundle's QNN context binaries on the
+QNN HTP backend (the x86 simulator on a workstation, the NPU on a Snapdragon host).
+
+Same drafters as the onnxruntime backend (`SlmOnnx`, `MtpChainOnnx`: host-side LUTs, rotary,
+rings and masks from the bundle), with sessions opened from bundle.json: a split graph's parts
+are chained. HTP results were seen to leak between sessions in one process on the simulator
+(platform notes), so by default every context runs in its own worker process and the drafters
+talk to it over a pipe (`WorkerSession`); the same class opens the bundle's QDQ reference graphs
+on onnxruntime CPU for the smoke test's comparison.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hyco.export.stage import GRAPHS
+from hyco.runtime_check.mtp_onnx import MtpChainOnnx
+from hyco.runtime_check.slm_onnx import SlmOnnx
+
+from hyco.artifacts import read_json
+from hyco.errors import HycoError
+from hyco.io_spec import GraphSpec, TensorSpec, read_io_spec
+
+SPEC_KEYS = GRAPHS  # role -> io_spec key (calibrate's file names)
+
+
+def _open(path: str, backend: str, soc_model: int):
+    if backend == "qnn":
+        from hyco.export.qnn import open_context
+
+        return open_context(Path(path), soc_model=soc_model)
+    from hyco.convert.export_onnx import ort_session
+
+    return ort_session(Path(path))
+
+
+def _serve(conn, path: str, backend: str, soc_model: int) -> None:
+    """Worker loop: open one graph, then answer ("run", names, feeds) until ("close",)."""
+    try:
+        start = time.perf_counter()
+        session = _open(path, backend, soc_model)
+        conn.send(("ready", time.perf_counter() - start))
+    except Exception as e:  # reported to the parent, which raises it as a HycoError
+        conn.send(("error", str(e)))
+        return
+    while True:
+        message = conn.recv()
+        if message[0] == "close":
+            return
+        _, names, feeds = message
+        try:
+            start = time.perf_counter()
+            out = session.run(names, feeds)
+            conn.send(("ok", out, time.perf_counter() - start))
+        except Exception as e:
+            conn.send(("error", str(e)))
+
+
+class GraphSession:
+    """One graph (context binary or reference QDQ graph) behind `run(names, feeds)`, in this
+    process or in a worker; records load time and per-pass times."""
+
+    def __init__(self, path: Path, *, backend: str, soc_model: int, isolate: bool):
+        self.path, self.backend = Path(path), backend
+        self.pass_s: list[float] = []
+        self.process = None
+        if isolate:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=_serve, args=(child, str(path), backend, soc_model), daemon=True)
+            self.process.start()
+            reply = self.conn.recv()
+            if reply[0] == "error":
+                self.close()
+                raise HycoError(reply[1])
+            self.load_s = reply[1]
+        else:
+            start = time.perf_counter()
+            self.session = _open(str(path), backend, soc_model)
+            self.load_s = time.perf_counter() - start
+
+    def run(self, names, feeds):
+        if self.process is None:
+            start = time.perf_counter()
+            out = self.session.run(names, feeds)
+            self.pass_s.append(time.perf_counter() - start)
+            return out
+        self.conn.send(("run", list(names), feeds))
+        reply = self.conn.recv()
+        if reply[0] == "error":
+            raise HycoError(f"{self.path}: {reply[1]}")
+        self.pass_s.append(reply[2])
+        return reply[1]
+
+    def close(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.conn.send(("close",))
+            self.process.join(timeout=10)
+        self.process = None
+
+
+def float_view(spec: GraphSpec) -> GraphSpec:
+    """The graph as the host drivers see it: integer-code I/O (calibrate's uint8 KV) as float32."""
+    view = lambda ts: tuple(replace(t, dtype="float32") if _codes(t) else t for t in ts)
+    return replace(spec, inputs=view(spec.inputs), outputs=view(spec.outputs))
+
+
+def _codes(t: TensorSpec) -> bool:
+    return t.quant is not None and t.dtype in ("uint8", "uint16")
+
+
+class CodesSession:
+    """Quantizes float feeds to the graph's integer-code inputs and dequantizes its code outputs,
+    on io_spec's grids (value = scale * (code - zero_point)): the host keeps float rings, and a
+    value taken from a code output goes back to the same code."""
+
+    def __init__(self, session, spec: GraphSpec):
+        self.session = session
+        self.inputs = {t.name: t for t in spec.inputs if _codes(t)}
+        self.outputs = {t.name: t for t in spec.outputs if _codes(t)}
+
+    def run(self, names, feeds):
+        feeds = dict(feeds)
+        for name, t in self.inputs.items():
+            q, info = t.quant, np.iinfo(t.dtype)
+            codes = np.rint(feeds[name].astype(np.float64) / q["scale"]) + q["zero_point"]
+            feeds[name] = np.clip(codes, info.min, info.max).astype(t.dtype)
+        out = self.session.run(names, feeds)
+        for i, name in enumerate(names):
+            if name in self.outputs:
+                q = self.outputs[name].quant
+                out[i] = ((out[i].astype(np.float32) - np.float32(q["zero_point"])) * np.float32(q["scale"]))
+        return out
+
+
+class BundleSessions:
+    """Opens a bundle's graphs once and hands them to every drafter built on the bundle (the
+    check builds one drafter per prompt; the sessions are stateless, the rings live on the host)."""
+
+    def __init__(self, bundle: Path, *, backend: str = "qnn", isolate: bool = True):
+        if backend not in ("qnn", "cpu"):
+            raise HycoError(f"backend must be 'qnn' or 'cpu', but got {backend!r}")
+        self.bundle, self.backend, self.isolate = Path(bundle), backend, isolate
+        self.meta = read_json(self.bundle / "bundle.json", "bundle.json")
+        self.specs = read_io_spec(self.bundle / "io_spec.json")
+        self.graphs: dict[str, Any] = {}
+        self.parts: dict[str, list[GraphSession]] = {}
+
+    def open(self, spec_key: str):
+        role = next((r for r, k in SPEC_KEYS.items() if k == spec_key), None)
+        if role is None or role not in self.meta["graphs"]:
+            raise HycoError(f"{self.bundle / 'bundle.json'}: no graph for {spec_key!r}")
+        if role not in self.graphs:
+            g = self.meta["graphs"][role]
+            if self.backend == "cpu":
+                if not g.get("reference"):
+                    raise HycoError(f"{self.bundle / 'bundle.json'}: the bundle ships no reference QDQ graph for "
+                                    f"{role} (export.reference_graphs was off)")
+                parts = [GraphSession(self.bundle / g["reference"], backend="cpu", soc_model=0, isolate=False)]
+                self.graphs[role] = parts[0]
+            else:
+                parts = [GraphSession(self.bundle / p["context"], backend="qnn", soc_model=self.meta["soc_model"],
+                                      isolate=self.isolate) for p in g["parts"]]
+                if len(parts) == 1:
+                    self.graphs[role] = parts[0]
+                else:
+                    from hyco.export.split import ChainedSession
+
+                    self.graphs[role] = ChainedSession([
+                        (s, [t["name"] for t in p["io"]["inputs"]], [t["name"] for t in p["io"]["outputs"]])
+                        for s, p in zip(parts, g["parts"], strict=True)])
+            self.parts[role] = parts
+            self.graphs[role] = CodesSession(self.graphs[role], self.specs[spec_key])
+        return self.graphs[role]
+
+    def timings(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for role, parts in self.parts.items():
+            passes = [sum(t) for t in zip(*(p.pass_s for p in parts), strict=False)] if parts else []
+            out[role] = {"load_s": round(sum(p.load_s for p in parts), 3), "passes": len(passes),
+                         "pass_s_mean": round(float(np.mean(passes)), 4) if passes else None,
+                         "pass_s_max": round(float(np.max(passes)), 4) if passes else None}
+        return out
+
+    def close(self) -> None:
+        for parts in self.parts.values():
+            for p in parts:
+                p.close()
+
+
+_SHARED: dict[tuple[str, str, bool], BundleSessions] = {}
+
+
+def bundle_sessions(bundle: Path, *, backend: str = "qnn", isolate: bool = True) -> BundleSessions:
+    key = (str(Path(bundle).resolve()), backend, isolate)
+    if key not in _SHARED:
+        _SHARED[key] = BundleSessions(bundle, backend=backend, isolate=isolate)
+    return _SHARED[key]
+
+
+def slm_qnn(bundle: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, ring_full: int | None = None,
+            sessions: BundleSessions | None = None) -> SlmOnnx:
+    sessions = sessions or bundle_sessions(bundle)
+    slm = SlmOnnx(bundle, keep_ids=keep_ids, max_prompt=max_prompt, ring_full=ring_full,
+                  graphs=(SPEC_KEYS["tree"], SPEC_KEYS["prefill"]), open_session=sessions.open)
+    slm.tree_spec, slm.prefill_spec = float_view(slm.tree_spec), float_view(slm.prefill_spec)  # CodesSession I/O
+    return slm
+
+
+def mtp_qnn(bundle: Path, *, keep_ids: torch.Tensor | None, window: int, capture_point: str, quantize_wire: bool,
+            sessions: BundleSessions | None = None) -> MtpChainOnnx:
+    sessions = sessions or bundle_sessions(bundle)
+    mtp = MtpChainOnnx(bundle, keep_ids=keep_ids, window=window, capture_point=capture_point,
+                       quantize_wire=quantize_wire, graph=SPEC_KEYS["mtp_step"], spec_key=SPEC_KEYS["mtp_step"],
+                       open_session=sessions.open)
+    mtp.spec = float_view(mtp.spec)
+    return mtp

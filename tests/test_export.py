@@ -1,0 +1,279 @@
+"""export/: QNN context binaries for soc 87, bundle.json read back from the binaries, the splitter,
+tampered bundles, and the qai-hub path without an account."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyco.errors import HycoError
+from hyco.recipe import ExportConfig
+
+pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (QNN HTP backend absent)")
+
+
+def test_unknown_soc_and_wrong_arch_are_refused():
+    from hyco.export.qnn import soc_info
+
+    assert soc_info(87) == ("SM8850", 81)
+    with pytest.raises(HycoError, match="soc_model must be one of .*87 \\(SM8850, v81\\).*but got 99"):
+        soc_info(99)
+    with pytest.raises(HycoError, match="htp_arch must be 81 for soc_model 87"):
+        soc_info(87, 79)
+
+
+def test_export_cli_refuses_an_unknown_soc_before_any_work(tmp_path, capsys):
+    from hyco.cli import main
+
+    args = [x for k in ("calibrate", "convert", "qat", "vocab") for x in (f"--{k}", str(tmp_path))]
+    assert main(["export", *args, "--out", str(tmp_path / "out"), "--soc-model", "99"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "soc_model must be one of" in err[0] and "but got 99" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_graph_that_would_fall_back_to_cpu_fails_with_the_op_named(tmp_path):
+    import onnx
+    from hyco.export.qnn import compile_context
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs_ok"),
+                               helper.make_node("Det", ["a"], ["y"], name="det_refused")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "det.onnx")
+    with pytest.raises(HycoError, match="would fall back off the QNN HTP, first Det 'det_refused'"):
+        compile_context(tmp_path / "det.onnx", tmp_path / "out", "det", soc_model=87)
+    assert not list((tmp_path / "out").iterdir())  # no partial context
+
+
+@pytest.mark.slow
+def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_export):
+    from hyco.export.bundle import verify_bundle
+    from hyco.export.qnn_system import binary_info
+
+    from hyco.io_spec import read_io_spec
+
+    bundle, summary = tiny_export
+    meta = json.loads((bundle / "bundle.json").read_text())
+    assert meta["soc_model"] == 87 and meta["chip"] == "SM8850" and meta["htp_arch"] == 81
+    assert set(meta["graphs"]) == {"tree", "prefill", "mtp_step"}
+    specs = read_io_spec(bundle / "io_spec.json")
+    for role, g in meta["graphs"].items():
+        (part,) = g["parts"]  # under the 2 GiB default nothing is split
+        info = binary_info(bundle / part["binary"])  # read independently of what export recorded
+        assert info["soc_model"] == 87 and info["build_id"].startswith("v2.")
+        spec = specs[g["spec"]]
+        for kind, tensors in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+            # QNN describes integer-code I/O (calibrate's uint8 KV) as fixed point: value =
+            # scale * (code + offset), offset = -zero_point
+            want = {}
+            for t in tensors:
+                codes = t.quant is not None and t.dtype.startswith("uint")
+                want[t.name] = (t.shape, "ufixed" + t.dtype[4:] if codes else t.dtype,
+                                (t.quant["scale"], -t.quant["zero_point"]) if codes else None)
+            got = {t["name"]: (tuple(t["shape"]), t["dtype"], (t["scale"], t["offset"]) if "offset" in t else None)
+                   for t in info["graphs"][0][kind]}
+            assert set(got) == set(want), (role, kind)
+            for name, (shape, dtype, q) in want.items():
+                assert got[name][:2] == (shape, dtype), (role, name)
+                if q is not None:
+                    assert got[name][2][1] == q[1] and got[name][2][0] == pytest.approx(q[0], rel=1e-6), (role, name)
+        assert g["weight_bytes"] > 0 and part["binary_bytes"] == (bundle / part["binary"]).stat().st_size
+    verify_bundle(bundle)  # every sha256 and every binary's I/O check out
+
+
+def _tampered(bundle: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    return copy
+
+
+def _smoke_cli(bundle: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyco.cli", "smoke", str(bundle), "--prompts", "1", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, tmp_path):
+    from hyco.artifacts import sha256_file
+
+    bundle, _ = tiny_export
+    meta = json.loads((bundle / "bundle.json").read_text())
+    binary = meta["graphs"]["tree"]["parts"][0]["binary"]
+
+    flipped = _tampered(bundle, tmp_path / "flip")
+    data = bytearray((flipped / binary).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (flipped / binary).write_bytes(bytes(data))
+    done = _smoke_cli(flipped)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert str(flipped / binary) in done.stderr and "sha256" in done.stderr
+
+    no_lut = _tampered(bundle, tmp_path / "lut")
+    (no_lut / "luts" / "embed_tokens.safetensors").unlink()
+    done = _smoke_cli(no_lut)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "embed_tokens.safetensors" in done.stderr
+
+    # An io_spec that disagrees with the binary, in a bundle whose hashes are consistent again:
+    # only reading the binary's own metadata can catch it.
+    wrong = _tampered(bundle, tmp_path / "spec")
+    spec = json.loads((wrong / "io_spec.json").read_text())
+    tree = next(g for g in spec["graphs"] if g["graph"] == "tree.qdq.onnx")
+    tree["inputs"][0]["shape"][0] += 1
+    (wrong / "io_spec.json").write_text(json.dumps(spec))
+    meta_w = json.loads((wrong / "bundle.json").read_text())
+    meta_w["files"]["io_spec.json"] = {"bytes": (wrong / "io_spec.json").stat().st_size,
+                                       "sha256": sha256_file(wrong / "io_spec.json")}
+    (wrong / "bundle.json").write_text(json.dumps(meta_w))
+    done = _smoke_cli(wrong)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "io_spec.json" in done.stderr and binary in done.stderr and tree["inputs"][0]["name"] in done.stderr
+
+
+@pytest.mark.slow
+def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
+    """Parts by layer ranges, each under the limit, chained on CPU equal the whole graph exactly;
+    every part compiles for soc 87 with its I/O as planned."""
+    from hyco.convert.export_onnx import ort_session
+    from hyco.export.bundle import check_binary_io, weight_bytes
+    from hyco.export.qnn import compile_context
+    from hyco.export.qnn_system import binary_info
+    from hyco.export.split import ChainedSession, split_graph
+
+    graph = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
+    total = weight_bytes(graph)
+    limit = total * 6 // 10
+    from hyco.io_spec import read_io_spec
+
+    parts = split_graph(graph, tmp_path / "parts", limit, read_io_spec(graph.parent / "io_spec.json")[graph.name])
+    assert len(parts) >= 2
+    assert [s.meta["layers"][0] for _, s in parts][0] == -1
+    for path, spec in parts:
+        assert weight_bytes(path) <= limit, spec.meta
+    whole = ort_session(graph)
+    chain = ChainedSession([(ort_session(p), [t.name for t in s.inputs], [t.name for t in s.outputs]) for p, s in parts])
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in whole.get_inputs():
+        dtype = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16}[i.type]
+        feeds[i.name] = (rng.standard_normal(i.shape) * 0.5).astype(dtype) if dtype == np.float32 \
+            else rng.integers(0, 255, i.shape).astype(dtype)
+    names = [o.name for o in whole.get_outputs()]
+    for name, a, b in zip(names, whole.run(names, feeds), chain.run(names, feeds), strict=True):
+        assert np.array_equal(a, b), name
+    for path, spec in parts:
+        compiled = compile_context(path, tmp_path / "ctx", path.stem.replace(".", "_"), soc_model=87)
+        check_binary_io(binary_info(compiled.binary), spec, str(compiled.binary), "part spec")
+
+
+def test_hub_without_token_is_one_line_exit_2(tmp_path, monkeypatch):
+    monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "absent.ini"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from hyco.cli import main
+
+    code = main(["export", "--hub", "--calibrate", str(tmp_path), "--convert", str(tmp_path), "--qat",
+                 str(tmp_path), "--vocab", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert not (tmp_path / "out" / "hub.json").exists()
+
+
+class _Job:
+    def __init__(self, url, target=None, profile=None):
+        self.url, self._target, self._profile = url, target, profile
+
+    def get_target_model(self):
+        return self._target
+
+    def download_profile(self):
+        return self._profile
+
+
+class _Target:
+    def download(self, path):
+        Path(path).write_bytes(b"compiled")
+
+
+class _RecordingClient:
+    """Stands in for qai_hub.Client: records each request, answers with recorded job results."""
+
+    def __init__(self, profile):
+        self.calls, self.profile = [], profile
+
+    def submit_compile_job(self, **kw):
+        self.calls.append(("compile", kw))
+        return _Job(f"https://workbench.aihub.qualcomm.com/jobs/c{len(self.calls)}", target=_Target())
+
+    def submit_profile_job(self, **kw):
+        self.calls.append(("profile", kw))
+        return _Job(f"https://workbench.aihub.qualcomm.com/jobs/p{len(self.calls)}", profile=self.profile)
+
+
+def test_hub_request_building_and_result_handling(tmp_path):
+    import qai_hub as hub
+    from hyco.export.hub import OPTIONS, compile_requests, hub_export
+
+    from hyco.io_spec import GraphSpec, TensorSpec, write_io_spec
+
+    specs = []
+    for name in ("tree.qdq.onnx", "prefill.qdq.onnx", "mtp_step.qdq.onnx"):
+        (tmp_path / name).write_bytes(b"onnx")
+        specs.append(GraphSpec(name, (TensorSpec("embeds", (33, 64), "float32", "rows"),),
+                               (TensorSpec("topk_ids", (33, 8), "int64", "ids"),)))
+    write_io_spec(tmp_path / "io_spec.json", specs)
+    config = ExportConfig(device="Samsung Galaxy S26 Ultra")
+    requests = compile_requests(tmp_path, config)
+    assert [r["role"] for r in requests] == ["tree", "prefill", "mtp_step"]
+    assert all(isinstance(r["device"], hub.Device) and r["device"].name == "Samsung Galaxy S26 Ultra" for r in requests)
+    assert requests[0]["input_specs"] == {"embeds": ((33, 64), "float32")}
+    profile = {"execution_summary": {"estimated_inference_time": 1234, "inference_memory_peak_range": [1, 2]},
+               "execution_detail": [{"compute_unit": "NPU"}, {"compute_unit": "NPU"}]}
+    client = _RecordingClient(profile)
+    result = hub_export(calibrate=tmp_path, out=tmp_path / "out", config=config, client=client)
+    assert [c[0] for c in client.calls] == ["compile", "profile"] * 3
+    assert client.calls[0][1]["options"] == OPTIONS and client.calls[0][1]["input_specs"] == requests[0]["input_specs"]
+    assert result["jobs"][0]["estimated_inference_time_us"] == 1234 and result["jobs"][0]["compute_units"] == ["NPU"]
+    assert (tmp_path / "out" / "tree.bin").read_bytes() == b"compiled"
+    assert json.loads((tmp_path / "out" / "hub.json").read_text())["jobs"][2]["role"] == "mtp_step"
+
+
+@pytest.mark.device
+def test_hub_live_compile_and_profile(request, tmp_path):
+    from hyco.export.hub import hub_export, hub_token
+
+    if hub_token() is None:
+        pytest.skip("no qai-hub API token (QAI_HUB_API_TOKEN or ~/.qai_hub/client.ini): live compile/profile on "
+                    "Samsung Galaxy S26 Ultra not run")
+    calibrated = request.getfixturevalue("tiny_calibrated")
+    result = hub_export(calibrate=calibrated / "calibrate", out=tmp_path, config=ExportConfig())
+    assert all(j["estimated_inference_time_us"] for j in result["jobs"])
+
+
+@pytest.mark.slow
+def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(tiny_calibrated, tiny_family,
+                                                                                tmp_path):
+    from hyco.export.bundle import verify_bundle
+    from hyco.export.stage import export
+
+    out = tmp_path / "export"
+    export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert", qat=tiny_calibrated / "qat",
+           vocab=tiny_calibrated / "vocab", out=out, tokenizer=tiny_family["tokenizer"],
+           verifier=tiny_family["verifier"], config=ExportConfig(smoke_prompts=0, share_contexts=True))
+    meta = verify_bundle(out / "bundle")
+    tree, prefill = meta["graphs"]["tree"], meta["graphs"]["prefill"]
+    assert tree["parts"][0]["binary"] == prefill["parts"][0]["binary"]
+    assert tree["shared_context"] and not tree["verified"] and "UNVERIFIED" in tree["note"]
+    assert len(tree["parts"][0]["qnn_graphs"]) == 2 and not meta["graphs"]["mtp_step"]["shared_context"]
+    shared_bytes = tree["parts"][0]["binary_bytes"]
+    assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
+    done = _smoke_cli(out / "bundle")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cannot load a shared" in done.stderr
+    print(f"shared tree+prefill context: {shared_bytes} B")
