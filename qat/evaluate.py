@@ -10,13 +10,13 @@ from hyco.qat.train import kl_teacher_student, model_inputs
 
 @torch.no_grad()
 def agreement(model: torch.nn.Module, teacher: torch.nn.Module, captures: list[Capture], sliding_window: int,
-              device) -> dict[str, float]:
+              device, negative: float) -> dict[str, float]:
     """Top-1 agreement with the teacher and mean KL(teacher || model), over all response
     positions of `captures` (each sequence weighted by its positions)."""
     agree = positions = 0
     kl_sum = 0.0
     for cap in captures:
-        inputs = model_inputs(cap, sliding_window, device)
+        inputs = model_inputs(cap, sliding_window, device, negative)
         t_logits, _ = teacher(*inputs)
         s_logits, _ = model(*inputs)
         s_logits = plain(s_logits)

@@ -47,7 +47,7 @@ def check_pair(verifier, head, tokenizer, verifier_dir: Path, assistant_dir: Pat
                         f"{v_cfg.vocab_size} / the tokenizer's {len(tokenizer)}")
 
 
-def input_ranges(captures, teacher, sliding_window: int, percentile: float, device,
+def input_ranges(captures, teacher, sliding_window: int, percentile: float, device, negative: float,
                  sample: int = 200_000) -> dict[str, tuple[float, float]]:
     """[p_(100-q), p_q] per step-graph input over the train captures. `hidden` also covers the
     head's own next_hidden, which feeds the later steps of a burst."""
@@ -67,7 +67,7 @@ def input_ranges(captures, teacher, sliding_window: int, percentile: float, devi
             add(f"k_{short}", cap.kv[layer][0])
             add(f"v_{short}", cap.kv[layer][1])
         with torch.no_grad():
-            add("hidden", teacher(*model_inputs(cap, sliding_window, device))[1])
+            add("hidden", teacher(*model_inputs(cap, sliding_window, device, negative))[1])
     out = {}
     for name, parts in pools.items():
         values = np.concatenate(parts)
@@ -144,32 +144,32 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     # 2. students: W8 PTQ, W4 PTQ (clip search only), W4 QAT
     teacher = TeacherForcedHead(head, keep_ids).eval()
     cfg_path = aimet_config(out / "aimet_config.json")
-    example = model_inputs(train[0], sliding_window, device)
+    example = model_inputs(train[0], sliding_window, device, config.mask_negative)
     calib = [train[i] for i in range(min(config.calibration_sequences, len(train)))]
 
     def calibrated(bits: int):
         sim = make_student(head, keep_ids, example, weight_bits=bits, activation_bits=config.activation_bits,
                            config_path=cfg_path)
-        sim.compute_encodings(lambda m, _: [m(*model_inputs(c, sliding_window, device)) for c in calib], None)
+        sim.compute_encodings(lambda m, _: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib], None)
         attach_input_quantizers(sim, ranges)
         return sim
 
     # Fixed input ranges first: every student sees the graph's input clipping from here on.
-    ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device)
+    ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
     results = {}
     sim8 = calibrated(8)
-    results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device)
+    results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
     del sim8
     sim = calibrated(config.weight_bits)
     clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
-    results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device)
-    results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device)
+    results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+    results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
     train_start = time.perf_counter()
     history = train_student(sim, teacher, train, config, sliding_window, device)
     train_s = time.perf_counter() - train_start
-    recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device)) for c in calib])
-    results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device)
-    results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device)
+    recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
+    results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+    results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
 
     # 3. the MTP Drafter artifacts
     drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)

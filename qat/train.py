@@ -32,9 +32,11 @@ def lr_at(step: int, cfg: QatConfig) -> float:
     return 0.5 * cfg.lr * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / span))
 
 
-def model_inputs(capture: Capture, sliding_window: int, device) -> tuple[torch.Tensor, ...]:
+def model_inputs(capture: Capture, sliding_window: int, device, negative: float) -> tuple[torch.Tensor, ...]:
+    # `negative` is the step graph's own mask value (qat.mask_negative): the head trains on the
+    # masks the phone will feed it, not on a -1e9 the 16-bit graph could not represent.
     inputs = teacher_forced_inputs(capture.embeds, capture.hidden, capture.kv, sliding_window,
-                                   positions=capture.drafting_positions)
+                                   positions=capture.drafting_positions, negative=negative)
     return tuple(x.to(device) for x in inputs)
 
 
@@ -71,7 +73,7 @@ def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cf
             if not order:
                 order = list(range(len(captures)))
                 rng.shuffle(order)
-            inputs = model_inputs(captures[order.pop()], sliding_window, device)
+            inputs = model_inputs(captures[order.pop()], sliding_window, device, cfg.mask_negative)
             with torch.no_grad():
                 teacher_logits, _ = teacher(*inputs)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):

@@ -62,16 +62,6 @@ def test_malformed_recipe_is_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_unimplemented_stage_fails_before_any_work(tmp_path, capsys):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: r\nout: {tmp_path / 'run'}\nstages: [fixtures, export]\nfixtures: {{}}\n")
-    if "export" in STAGES:
-        pytest.skip("export is implemented now; this test guards unimplemented stages only")
-    assert main(["run", str(recipe)]) == 2
-    assert "stage 'export' is not implemented" in _error_line(capsys)
-    assert not (tmp_path / "run" / "fixtures").exists()
-
-
 def test_unset_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: r\nout: {tmp_path / 'run'}\nstages: [vocab]\nmodels:\n  tokenizer: {tmp_path / 'missing'}\n")

@@ -393,3 +393,18 @@ def test_qat_beats_ptq_on_the_tiny_recipes_natural_text(tiny_family_distilled, t
     assert report["answers"]["warnings"] == []
     a = report["agreement"]
     assert a["w4_qat"]["kl"] < a["w4_ptq"]["kl"], (a["w4_qat"], a["w4_ptq"])
+
+
+def test_training_masks_use_the_step_graphs_mask_value():
+    """qat trains on the masks the step graph is fed (qat.mask_negative), not on -1e9: the
+    16-bit mask input of the graph could not represent -1e9, so the two must be one value."""
+    import torch
+    from hyco.qat.capture import Capture
+    from hyco.qat.train import model_inputs
+
+    n, d = 6, 4
+    kv = {layer: (torch.zeros(1, n, d), torch.zeros(1, n, d)) for layer in ("full_attention", "sliding_attention")}
+    cap = Capture("c", "train", torch.arange(n), torch.zeros(n, d), torch.zeros(n, d), kv, response_start=2)
+    *_, full, sliding = model_inputs(cap, 3, "cpu", -50.0)
+    for mask in (full, sliding):
+        assert set(torch.unique(mask).tolist()) == {-50.0, 0.0}
