@@ -30,21 +30,12 @@ def qnn_available() -> str | None:
 
 
 def htp_session(path: Path, soc_model: str = SOC_MODEL):
+    """The graph on the QNN HTP with CPU fallback disabled and the assignment recorded: export's
+    one session builder (plugin-EP registration, SoC table), so both stages open graphs alike."""
     import onnxruntime as ort
-    import onnxruntime_qnn
+    from hyco.export.qnn import session_options
 
-    try:
-        ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
-    except Exception as e:  # already registered in this process
-        if "already" not in str(e).lower():
-            raise
-    devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    so.add_provider_for_devices(devices, {"backend_path": onnxruntime_qnn.get_qnn_htp_path(), "soc_model": soc_model})
-    return ort.InferenceSession(str(path), so)
+    return ort.InferenceSession(str(path), session_options(int(soc_model)))
 
 
 def assignment(sess) -> dict:
