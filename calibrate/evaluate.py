@@ -43,7 +43,10 @@ def layer_outputs(model) -> dict[str, str]:
 
 
 def logsoftmax_output(model) -> str | None:
-    return next((n.output[0] for n in model.graph.node if n.op_type == "LogSoftmax"), None)
+    """The log-probabilities tensor: a LogSoftmax's output, or the one `log_softmax_as_exp_sum`
+    wrote out (same name, made by its final Sub)."""
+    return next((n.output[0] for n in model.graph.node
+                 if n.op_type == "LogSoftmax" or (n.op_type == "Sub" and n.name.endswith("_log_softmax"))), None)
 
 
 def sqnr(ref_model, q_model, feeds: list[dict], tmp: Path, tag: str, rows: list[int] | None = None) -> dict[str, float]:

@@ -19,8 +19,15 @@ float graphs to the HTP"):
   SRQ activation feeds an INT4 MatMul): after each int8 SRQ pair, requantize losslessly to
   uint16 with scale s/256 and zero point 32768 (every int8 code lands on the uint16 grid).
 - `gelu_tanh_as_sigmoid` (trap: the HTP's Tanh returns garbage in some graph contexts):
-  1 + tanh(u) = 2 * sigmoid(2u), exact in real arithmetic; `softcap_tanh_as_sigmoid` does the
-  same for the softcap's Tanh (2 sigmoid(2u) - 1).
+  1 + tanh(u) = 2 * sigmoid(2u), exact in real arithmetic.
+- `softcap_scale_as_div` (trap: on the soc-87 HTP a Tanh whose output feeds a Mul computes
+  garbage in rows 2.. of a 16-row tensor, whatever the width or the Mul's operand; seen on the
+  prefill graph's softcap, reproduced with a 7-node graph): the softcap's final x c becomes a Div
+  by 1/c (the same number to float rounding; right on the HTP for every row count tried).
+- `log_softmax_as_exp_sum` (trap: the HTP's 16-bit LogSoftmax kernel is off by up to 745 output
+  codes, 0.14 nats, on the tiny graphs' 1,345-way rows, against ~2 codes for every other op):
+  x - m - log(sum(exp(x - m))), m = max(x), written out; each piece is an op the HTP computes
+  to 1-3 codes.
 - `split_kv_row_outputs`: the new K/V rows leave as uint8 codes but are attended over inside
   the pass at 16 bits (their own Transpose per use, so each can carry its own encoding).
 - `drop_outputs`: the deployable graphs return only what the runtime reads (no full logits).
@@ -338,30 +345,59 @@ def _prune_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def softcap_tanh_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every Tanh left after `gelu_tanh_as_sigmoid` (the final logit softcap's) as
-    tanh(u) = 2 sigmoid(2u) - 1, exact in real arithmetic (trap: the HTP's Tanh returned garbage
-    in the prefill graph's context; the prefill graph's top-k disagreed with the CPU EP by
-    log-prob gaps up to 5.6 with the Tanh kept)."""
+def softcap_scale_as_div(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Mul(Tanh(u), c) with c a constant whose entries are all equal (the softcap, written by
+    convert as a vector) -> Div(Tanh(u), 1/c). Trap: on the soc-87 HTP (simulator), a Tanh feeding
+    a Mul returns garbage in rows 2..15 of a 16-row tensor (any width, Mul by a scalar or a vector,
+    any Tanh encoding), reading memory that changes between processes; rows 8, 17, 32, 33 are
+    right. A Div in the Mul's place is right at every row count tried (tests/test_calibrate.py
+    reproduces the trap and the fix on the simulator)."""
     model = _copy(model)
     graph = model.graph
-    two, one = _unique(graph, "softcap_two"), _unique(graph, "softcap_one")
-    graph.initializer.extend([numpy_helper.from_array(np.array(2.0, np.float32), two),
-                              numpy_helper.from_array(np.array(1.0, np.float32), one)])
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.op_type != "Mul":
+            continue
+        tanh_side = [j for j, x in enumerate(node.input) if producer.get(x) is not None and producer[x].op_type == "Tanh"]
+        if len(tanh_side) != 1 or node.input[1 - tanh_side[0]] not in inits:
+            continue
+        c = numpy_helper.to_array(inits[node.input[1 - tanh_side[0]]]).reshape(-1)
+        if c.size == 0 or not np.all(c == c[0]) or c[0] == 0:
+            continue
+        inverse = _unique(graph, "softcap_inverse")
+        graph.initializer.append(numpy_helper.from_array(np.array(1.0 / float(c[0]), np.float32), inverse))
+        node.op_type = "Div"
+        node.input[:] = [node.input[tanh_side[0]], inverse]
+    _prune_initializers(graph)
+    return model
+
+
+def log_softmax_as_exp_sum(model: onnx.ModelProto) -> onnx.ModelProto:
+    """LogSoftmax(x) -> (x - m) - Log(ReduceSum(Exp(x - m))), m = ReduceMax(x), on the same axis;
+    the output keeps its name. Trap: the HTP's 16-bit LogSoftmax kernel differs from the exact
+    value by up to 745 output codes (0.14 nats) on 1,345-way rows, ~146 codes on average; the
+    written-out form's ops each stay within 1-3 codes there (the sum is an integer reduction)."""
+    model = _copy(model)
+    graph = model.graph
     out = []
     for node in graph.node:
-        if node.op_type != "Tanh":
+        if node.op_type != "LogSoftmax":
             out.append(node)
             continue
-        u, y = node.input[0], node.output[0]
-        doubled, sig, twice = _unique(graph, y + "_2u"), _unique(graph, y + "_sigmoid"), _unique(graph, y + "_2s")
-        out += [helper.make_node("Mul", [u, two], [doubled], name=doubled),
-                helper.make_node("Sigmoid", [doubled], [sig], name=sig),
-                helper.make_node("Mul", [sig, two], [twice], name=twice),
-                helper.make_node("Sub", [twice, one], [y], name=y + "_minus1")]
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        x, y = node.input[0], node.output[0]
+        axes = _unique(graph, y + "_axes")
+        graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), axes))
+        top, shifted, exp, total, log = (_unique(graph, y + s) for s in ("_max", "_shifted", "_exp", "_sum", "_log"))
+        out += [helper.make_node("ReduceMax", [x, axes], [top], name=top, keepdims=1),
+                helper.make_node("Sub", [x, top], [shifted], name=shifted),
+                helper.make_node("Exp", [shifted], [exp], name=exp),
+                helper.make_node("ReduceSum", [exp, axes], [total], name=total, keepdims=1),
+                helper.make_node("Log", [total], [log], name=log),
+                helper.make_node("Sub", [shifted, log], [y], name=y + "_log_softmax")]
     del graph.node[:]
     graph.node.extend(out)
-    _prune_initializers(graph)
     return model
 
 
@@ -397,15 +433,11 @@ def split_kv_row_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def prepare_slm(model: onnx.ModelProto, softcap_sigmoid: bool = True) -> onnx.ModelProto:
-    """The convert graphs' passes, in order. `softcap_sigmoid`: rewrite the softcap's Tanh too
-    (per graph by recipe: on the soc-87 simulator the prefill graph needs it and the tree graph
-    computes garbage with it; the trap is context dependent, see CalibrateConfig)."""
+def prepare_slm(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The convert graphs' passes, in order (the same for tree and prefill)."""
     steps = [fold_shape_subgraphs, fold_weight_transposes, explicit_weight_zero_points, srq_int8_as_uint16,
-             gelu_tanh_as_sigmoid, softcap_tanh_as_sigmoid, split_kv_row_outputs]
+             gelu_tanh_as_sigmoid, softcap_scale_as_div, log_softmax_as_exp_sum, split_kv_row_outputs]
     for step in steps:
-        if step is softcap_tanh_as_sigmoid and not softcap_sigmoid:
-            continue
         model = step(model)
     return model
 
@@ -414,7 +446,8 @@ def prepare_mtp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tupl
     """qat's step graph: its input QDQ comes off (the ranges go to the quantizer), then the
     same passes as the SLM graphs (most find nothing to do there)."""
     model, params = strip_input_qdq(model)
-    for step in (fold_shape_subgraphs, fold_weight_transposes, explicit_weight_zero_points, gelu_tanh_as_sigmoid):
+    for step in (fold_shape_subgraphs, fold_weight_transposes, explicit_weight_zero_points, gelu_tanh_as_sigmoid,
+                 log_softmax_as_exp_sum):
         model = step(model)
     return model, params
 

@@ -8,8 +8,11 @@ overrides (the MTP inputs' p99.99 ranges, the KV's 1.2 x p99.9, the mask's exact
 an 8-bit override through Concat to the new K/V outputs by itself, keeps the SRQ encodings
 aimet-onnx drops in front of o_proj, and writes graphs that pass `onnx.checker` full_check.
 
-After quantizing, `kv_io_uint8` makes the deployable graph's KV boundary integer: ring inputs
-and new K/V outputs are uint8 codes (the host stores codes; no float ring on the phone).
+After quantizing, `matmul_second_input_uint8` writes into the graph the uint16 -> uint8
+conversion that onnxruntime-qnn inserts silently in front of a MatMul of two uint16 activations
+(attention's QK^T and PV), so the CPU EP computes what the HTP computes; `kv_io_uint8` makes the
+deployable graph's KV boundary integer: ring inputs and new K/V outputs are uint8 codes (the host
+stores codes; no float ring on the phone).
 """
 
 from __future__ import annotations
@@ -62,7 +65,70 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
         cfg.extra_options["CalibPercentile"] = percentile
     cfg.use_external_data_format = True
     quantize(str(prepared), str(out), cfg)
+    from hyco.calibrate.prepare import save
+
+    save(matmul_second_input_uint8(onnx.load(str(out))), out)
     return out
+
+
+def uint8_convert_qparams(scale: float, zero_point: int) -> tuple[np.float32, np.uint8]:
+    """The uint8 grid onnxruntime-qnn converts a uint16 (scale, zero point) tensor to: the same
+    real range [(0 - z) s, (65535 - z) s] over 256 codes (its matmul_op_builder's InsertConvertOp
+    with qnn_utils' GetQuantParams: range widened to hold 0, scale in double, zero point rounded
+    half to even)."""
+    lo, hi = (0 - zero_point) * float(scale), (65535 - zero_point) * float(scale)
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    hi = max(hi, lo + 1e-4)
+    step = (hi - lo) / 255.0
+    zero = float(np.clip(0.0 - lo / step, 0, 255))
+    return np.float32(step), np.uint8(np.round(zero))  # numpy rounds half to even
+
+
+def matmul_second_input_uint8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Trap: the HTP has no uint16 x uint16 MatMul, so onnxruntime-qnn converts the second input of
+    a MatMul whose two inputs are uint16 activations to uint8 over the same range, silently
+    (matmul_op_builder.cc, "Workaround that inserts a QNN Convert op before input[1]"); the CPU EP
+    keeps 16 bits. In attention (QK^T, PV) that put the simulator ~50 output codes (mean) off the
+    CPU EP on the same graph, growing layer by layer. This pass writes that conversion into the
+    graph as a uint8 QuantizeLinear/DequantizeLinear pair on the MatMul's second input, with the
+    grid the EP would choose: onnxruntime-qnn then sees a uint16 x uint8 MatMul and inserts
+    nothing, the HTP computes what it computed before, and the CPU EP now computes the same."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inits = _inits(m)
+    producer = {o: n for n in g.node for o in n.output}
+
+    def uint16_activation(name: str):
+        dq = producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in inits or len(dq.input) < 3:
+            return None
+        zero = inits.get(dq.input[2])
+        return dq if zero is not None and zero.data_type == TensorProto.UINT16 else None
+
+    out = []
+    taken = {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    for node in g.node:
+        if node.op_type == "MatMul" and uint16_activation(node.input[0]) and uint16_activation(node.input[1]):
+            dq = uint16_activation(node.input[1])
+            scale, zero = uint8_convert_qparams(float(numpy_helper.to_array(inits[dq.input[1]])),
+                                                int(numpy_helper.to_array(inits[dq.input[2]])))
+            base, k = node.input[1] + "_as_uint8", 0
+            while base in taken:
+                k += 1
+                base = f"{node.input[1]}_as_uint8_{k}"
+            taken |= {base, base + "_q", base + "_scale", base + "_zero"}
+            g.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), base + "_scale"),
+                                  numpy_helper.from_array(np.array(zero, np.uint8), base + "_zero")])
+            out += [helper.make_node("QuantizeLinear", [node.input[1], base + "_scale", base + "_zero"], [base + "_q"],
+                                     name=base + "_q"),
+                    helper.make_node("DequantizeLinear", [base + "_q", base + "_scale", base + "_zero"], [base],
+                                     name=base)]
+            node.input[1] = base
+        out.append(node)
+    del g.node[:]
+    g.node.extend(out)
+    return m
 
 
 # --- reading quantization params back --------------------------------------------------------

@@ -224,7 +224,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     result: dict[str, Any] = {"passes": {g: len(p) for g, p in recorded.items()}}
     prepared, mask_stats = {}, {}
     for g, name in SLM_GRAPHS.items():
-        prepared[g] = prepare_slm(onnx.load(str(convert / name)), softcap_sigmoid=g in config.softcap_sigmoid_graphs)
+        prepared[g] = prepare_slm(onnx.load(str(convert / name)))
         feeds = subsample([f for f, _ in recorded[g]], config.max_passes, config.seed)
         mask_stats[g] = measure_masks(prepared[g], feeds, tmp, f"{g}_stats")
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows

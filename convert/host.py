@@ -75,10 +75,12 @@ class EmbeddingLut:
 
     @classmethod
     def open(cls, path: str | Path) -> EmbeddingLut:
+        """Memory-maps the file: a lookup reads only the rows it asks for (the per-layer table
+        of a real E2B is ~1 GB and never comes into memory whole)."""
         from hyco.errors import HycoError
-        from hyco.loading import load_safetensors, require_tensor  # numpy reader: no torch here
+        from hyco.loading import require_tensor
 
-        tensors, meta = load_safetensors(path, framework="numpy")
+        tensors, meta = mmap_safetensors(path)
         try:
             bits, dim, embed_scale = int(meta["bits"]), int(meta["dim"]), float(meta["embed_scale"])
         except (KeyError, ValueError) as e:
@@ -94,6 +96,36 @@ class EmbeddingLut:
         ints = unpack_ints(self.packed[ids], self.bits, self.dim).astype(np.float32)
         scale = np.repeat(self.scale[ids], self.dim // self.scale.shape[-1], axis=-1)
         return (ints * scale) * np.float32(self.embed_scale)
+
+
+NUMPY_DTYPES = {"U8": "u1", "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F16": "<f2", "F32": "<f4",
+                "F64": "<f8"}
+
+
+def mmap_safetensors(path: str | Path, names=None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(name -> read-only np.memmap, metadata) of a safetensors file (of `names` only, if
+    given), after hyco.loading's header checks (dtype, shape and byte span of every entry,
+    file not cut)."""
+    from hyco.errors import HycoError
+    from hyco.loading import safetensors_header
+
+    header = safetensors_header(path)
+    with open(path, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")  # data begins after the length and the header
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__" or (names is not None and name not in names):
+            continue
+        if info["dtype"] not in NUMPY_DTYPES:
+            raise HycoError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which the numpy reader does not map")
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = info["data_offsets"]
+        if end == begin:
+            tensors[name] = np.zeros(shape, np.dtype(NUMPY_DTYPES[info["dtype"]]))
+            continue
+        tensors[name] = np.memmap(path, dtype=np.dtype(NUMPY_DTYPES[info["dtype"]]), mode="r", offset=start + begin,
+                                  shape=shape)
+    return tensors, dict(header.get("__metadata__") or {})
 
 
 # --- rotary tables --------------------------------------------------------------------------

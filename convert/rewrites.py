@@ -1,6 +1,6 @@
 """Named NPU rewrite steps: each takes transformers' module and returns a new static one.
 
-- `integer_linear`: QuantizedLinear -> IntLinear (the checkpoint's ints and scales, SRQ kept)
+- `integer_linear`: QuantizedLinear -> IntLinear (the checkpoint's packed ints and scales, SRQ kept)
 - `decompose_rmsnorm`: Gemma4RMSNorm -> RMSNorm of x*x/ReduceMean/Sqrt/Reciprocal/Mul
 - `restrict_to_keep_set`: the output layer's rows (and their scales) sliced to the keep set
 - `static_layer`: one Gemma4TextDecoderLayer with host rotary and KV rings
@@ -30,17 +30,12 @@ from hyco.errors import HycoError
 
 
 def unpacked_ints(module) -> torch.Tensor:
-    """The int values of a QuantizedLinear, unpacked by transformers' own code."""
-    from transformers.integrations.gemma_quant import _unpack_int2, _unpack_int4
-
-    if module.num_bits == 2:
-        return _unpack_int2(module.weight.data, module.in_features)
-    if module.num_bits == 4:
-        return _unpack_int4(module.weight.data, module.in_features)
-    return module.weight.data.to(torch.int8)
+    """The int values of a QuantizedLinear [out, in] as int8 (transformers' own unpacking)."""
+    return integer_linear(module, "unpacked_ints").int_values()
 
 
 def integer_linear(module, source: str) -> IntLinear:
+    """The QuantizedLinear's packed storage itself (no copy, no unpacking) and its scales."""
     from transformers.integrations.gemma_quant import QuantizedLinear
 
     if not isinstance(module, QuantizedLinear):
@@ -48,9 +43,9 @@ def integer_linear(module, source: str) -> IntLinear:
                         "the NPU graph takes integer weights only")
     if module.bias is not None:
         raise HycoError(f"{source}: linears with a bias are not supported")
-    ints, scale = unpacked_ints(module), module.weight_scale.data.reshape(-1)
-    return IntLinear(ints, scale, module.num_bits, source,
-                     float(module.input_activation_scale.detach()), float(module.output_activation_scale.detach()))
+    return IntLinear(module.weight.data, module.weight_scale.data.reshape(-1), module.num_bits, module.in_features,
+                     source, float(module.input_activation_scale.detach()),
+                     float(module.output_activation_scale.detach()))
 
 
 def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:

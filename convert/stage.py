@@ -62,7 +62,7 @@ def encodings(static, kv_scales: dict[str, float]) -> dict[str, Any]:
     linears = {}
     for init, m in int_linears(static).items():
         linears[m.source] = {"onnx_initializer": init, "bits": m.bits, "container": "INT4" if m.bits <= 4 else "INT8",
-                             "shape": list(m.ints.shape), "srq_input_scale": m.input_scale,
+                             "shape": list(m.shape), "srq_input_scale": m.input_scale,
                              "srq_output_scale": m.output_scale}
     return {"version": 1, "weights": linears, "kv_cache_scales": kv_scales,
             "note": "bits is the checkpoint's width; 2-bit weights travel in INT4 containers (HTP computes "
@@ -71,67 +71,130 @@ def encodings(static, kv_scales: dict[str, float]) -> dict[str, Any]:
 
 def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict[str, Any]:
     """Per linear: do the graph's ints and scales equal the checkpoint's? Read back from the
-    written ONNX (one tensor at a time) and from the checkpoint's safetensors, unpacked with
-    the numpy reader in host.py (independent of the exporter and of transformers)."""
+    written ONNX and from the checkpoint's safetensors, both memory-mapped, one tensor at a time
+    in row blocks (only the keep rows of a restricted head), unpacked with the numpy reader in
+    host.py (independent of the exporter and of transformers)."""
     import onnx
     from hyco.convert.export_onnx import unpack_int4
-    from hyco.convert.host import unpack_ints
+    from hyco.convert.host import mmap_safetensors, unpack_ints
     from hyco.convert.load import tied_embedding
-    from onnx import numpy_helper
-    from onnx.external_data_helper import load_external_data_for_tensor
-    from safetensors import safe_open
 
     model = onnx.load(str(out / graph), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
     rows = {}
     for source, e in sorted(enc["weights"].items()):
         ints_t, scale_t = inits[e["onnx_initializer"]], inits[e["onnx_initializer"][:-len("ints")] + "scale"]
-        for t in (ints_t, scale_t):
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                load_external_data_for_tensor(t, str(out))
         shape = tuple(ints_t.dims)
-        if ints_t.data_type == onnx.TensorProto.INT4:
-            graph_ints = unpack_int4(ints_t.raw_data, int(np.prod(shape))).reshape(shape)
-        else:
-            graph_ints = numpy_helper.to_array(ints_t)
-        graph_scale = numpy_helper.to_array(scale_t)
+        graph_scale = initializer_array(scale_t, out)
         # A tied output layer's ints and scales are embed_tokens' table (convert/load.py, check_tied_head).
         ints_name, scale_name = f"{source}.weight", f"{source}.weight_scale"
         if source == "lm_head" and ckpt.tied_head:
             ints_name, scale_name = (f"{tied_embedding(ckpt)}.embedding_quantized",
                                      f"{tied_embedding(ckpt)}.embedding_scale")
         bits = ckpt.bits.get(source, e["bits"])  # the checkpoint's width, not the graph's claim
-        with safe_open(str(ckpt.tensors[ints_name][2]), framework="numpy") as f:
-            ck_ints = unpack_ints(f.get_tensor(ints_name), bits, shape[1])
-        with safe_open(str(ckpt.tensors[scale_name][2]), framework="numpy") as f:
-            ck_scale = f.get_tensor(scale_name).reshape(-1)
-        if source == "lm_head" and keep_ids is not None:
-            ck_ints, ck_scale = ck_ints[keep_ids], ck_scale[keep_ids]
+        ck_packed = mmap_safetensors(ckpt.tensors[ints_name][2], [ints_name])[0][ints_name]
+        ck_scale = np.asarray(mmap_safetensors(ckpt.tensors[scale_name][2], [scale_name])[0][scale_name]).reshape(-1)
+        ck_rows = np.arange(ck_packed.shape[0])
+        if source == "lm_head" and keep_ids is not None:  # the keep rows only
+            ck_rows, ck_scale = np.asarray(keep_ids), ck_scale[keep_ids]
+        int4 = ints_t.data_type == onnx.TensorProto.INT4
+        graph = initializer_bytes(ints_t, out) if int4 else initializer_array(ints_t, out)
+        ints_equal = len(shape) == 2 and len(ck_rows) == shape[0]
+        # Row blocks of ~16 M values: the unpacking transients of a 86K-row head stay ~100 MB.
+        # INT4 rows of an odd width do not start on a byte: compare those whole.
+        step = shape[0] if int4 and shape[1] % 2 else max(1, (16 << 20) // max(1, shape[1]))
+        for r0 in range(0, shape[0] if ints_equal else 0, step):
+            r1 = min(shape[0], r0 + step)
+            if int4:
+                g = unpack_int4(graph[r0 * shape[1] // 2: -(-r1 * shape[1] // 2)], (r1 - r0) * shape[1])
+                g = g.reshape(r1 - r0, shape[1])
+            else:
+                g = graph[r0:r1]
+            ck = unpack_ints(np.asarray(ck_packed[ck_rows[r0:r1]]), bits, shape[1])
+            ints_equal = ints_equal and ck.shape == g.shape and np.array_equal(ck, g)
+            if not ints_equal:
+                break
         rows[source] = {"bits": bits, "container": onnx.TensorProto.DataType.Name(ints_t.data_type),
                         "shape": list(shape), "checkpoint_tensors": [ints_name, scale_name],
-                        "ints_equal": bool(ck_ints.shape == graph_ints.shape and np.array_equal(ck_ints, graph_ints)),
+                        "ints_equal": bool(ints_equal),
                         "scales_equal": bool(ck_scale.shape == graph_scale.shape
                                              and np.array_equal(ck_scale.view(np.uint32), graph_scale.view(np.uint32)))}
     return rows
+
+
+def initializer_bytes(t, folder: Path):
+    """An initializer's raw bytes, read from its external-data file through a memory map (not
+    loaded into the proto: protobuf keeps a cleared field's bytes in the message's arena, so
+    reading tensor after tensor into one model grew by the whole graph)."""
+    import onnx
+
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return t.raw_data
+    info = {e.key: e.value for e in t.external_data}
+    return np.memmap(folder / info["location"], dtype=np.uint8, mode="r", offset=int(info.get("offset", 0)),
+                     shape=(int(info["length"]),))
+
+
+def initializer_array(t, folder: Path) -> np.ndarray:
+    """A (non-INT4) initializer as a numpy array, external data read through a memory map."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(t)
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+    return np.frombuffer(initializer_bytes(t, folder), dtype=dtype).reshape(tuple(t.dims))
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def return_large_blocks() -> None:
+    """glibc: serve blocks >= 1 MiB by mmap (returned to the system when freed). Its default
+    threshold grows up to 32 MiB as large blocks are freed, and the tracer's and finalize's
+    freed activations then stay in the heap, counted in RSS (bench/bench_convert.py: ~300 MiB
+    of free heap at 6 layers). Process-wide and harmless to later stages (more page faults)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back (glibc malloc_trim) after a phase freed its transients."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def export_all(static, config: ConvertConfig, raw: Path) -> list:
     """Raw exports of the tree and prefill graphs into `raw`; `finalize_all` writes them."""
     from hyco.convert.export_onnx import export_raw
 
-    return [export_raw(static, rows, raw / key, GRAPHS[key])
-            for key, rows in (("tree", config.rows), ("prefill", config.prefill_chunk))]
+    specs = []
+    for key, rows in (("tree", config.rows), ("prefill", config.prefill_chunk)):
+        specs.append(export_raw(static, rows, raw / key, GRAPHS[key]))
+        release_free_heap()
+    return specs
 
 
 def finalize_all(raw: Path, out: Path, static) -> dict[str, Any]:
-    """Write the raw exports' weights from the module's buffers, one tensor at a time."""
-    from hyco.convert.export_onnx import finalize, weight_bits
+    """Write the raw exports' weights from the module (ints from their packed bytes), one tensor at a time."""
+    from hyco.convert.export_onnx import finalize, int_linears
 
-    params, bits = static.state_dict(), weight_bits(static)
+    params, linears = static.state_dict(), int_linears(static)
     sizes = {}
     for key, name in GRAPHS.items():
         start = time.perf_counter()
-        finalize(raw / key / name, out / name, params, bits)
+        finalize(raw / key / name, out / name, params, linears)
+        release_free_heap()
         import onnx
 
         nodes = len(onnx.load(str(out / name), load_external_data=False).graph.node)
@@ -194,6 +257,7 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    return_large_blocks()
     ckpt = read_checkpoint(checkpoint)
     load_report = completeness(ckpt)
     tc = text_config(ckpt.folder)
@@ -208,8 +272,8 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids,
                                 ring_full=config.ring_full, ring_sliding=config.ring_sliding, topk=config.topk,
                                 mask_negative=config.mask_negative, topk_slice=config.topk_slice)
-    del model, text, lm_head  # the static module now holds the only copy of the weights (int8)
-    gc.collect()
+    del model, text, lm_head  # the static module now holds the only copy of the weights (packed)
+    release_free_heap()
     with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
         tmp = Path(tmp)
         start_export = time.perf_counter()
@@ -232,7 +296,7 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
         if config.parity:
             finalize_all(tmp / "ring_raw", tmp / "ring", static)
         del static  # the module's ints were the only full copy of the weights
-        gc.collect()
+        release_free_heap()
         for spec in specs:
             sizes[spec.graph]["rows"] = spec.meta["rows"]
         export_s = round(time.perf_counter() - start_export, 2)

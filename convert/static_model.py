@@ -30,24 +30,24 @@ from hyco.io_spec import GraphSpec, TensorSpec
 # --- ops with an explicit ONNX form ---------------------------------------------------------
 
 
-class _DequantizePerChannel(torch.autograd.Function):
-    """ints [out, in] x scale [out] -> float weight. Exported as DequantizeLinear(axis=0) so the
-    integer weight stays an integer initializer (never folded to float).
+class _IntMatMul(torch.autograd.Function):
+    """x [rows, in] @ (ints [out, in] x scale [out])^T, exported as DequantizeLinear(axis=0) ->
+    Transpose -> MatMul (what torch's exporter writes for F.linear on a dequantized weight), so
+    the integer weight stays an integer initializer (never folded to float).
 
-    While the ONNX exporter traces (`tracing`), only the op is recorded (its symbolic) and the
-    numbers are never used, so a zero-stride view of the scales stands in for the float
-    weight: the tracer keeps every traced value alive until the trace ends, and real float
-    weights (4x the int8 ints) piled up there (bench/bench_convert.py)."""
-
-    @staticmethod
-    def forward(ctx, ints, scale, tracing=False):
-        if tracing:
-            return scale[:, None].expand(ints.shape)
-        return ints.to(torch.float32) * scale[:, None]
+    Only used while the ONNX exporter traces: the op is recorded (its symbolic) and the numbers
+    are never used, so the forward returns zeros of the output's shape and no float weight is
+    ever made. (A traced F.linear on a zero-stride stand-in weight copied it to a contiguous
+    float weight, linear by linear: 529 MB for an 86,089-row E2B output layer.)"""
 
     @staticmethod
-    def symbolic(g, ints, scale, tracing=False):
-        return g.op("DequantizeLinear", ints, scale, axis_i=0)
+    def forward(ctx, x, ints, scale):
+        return x.new_zeros((*x.shape[:-1], ints.shape[0]))
+
+    @staticmethod
+    def symbolic(g, x, ints, scale):
+        weight = g.op("DequantizeLinear", ints, scale, axis_i=0)
+        return g.op("MatMul", x, g.op("Transpose", weight, perm_i=[1, 0]))
 
 
 class _StaticRangeQuantize(torch.autograd.Function):
@@ -70,24 +70,53 @@ class _StaticRangeQuantize(torch.autograd.Function):
 
 class IntLinear(nn.Module):
     """A QuantizedLinear as an integer matmul: the checkpoint's ints and per-channel scales,
-    SRQ on input and output where the checkpoint calibrated them (scale 0 = off)."""
+    SRQ on input and output where the checkpoint calibrated them (scale 0 = off).
 
-    def __init__(self, ints: torch.Tensor, scale: torch.Tensor, bits: int, source: str,
+    The ints stay PACKED as the checkpoint stores them (`packed`: int8 [out, in], or uint8
+    [out, ceil(in * bits / 8)] for 2/4 bits, two or four values per byte) until export_onnx
+    writes them: an int4 model is held at its int4 size, not twice it as int8. The buffer
+    `ints` is a zero-stride int8 [out, in] stand-in that owns one byte: it gives the traced
+    graph its integer weight input (named `<module>.ints`) with the right shape and type, and
+    the exporter serializes no weight. `int_values()` unpacks (transformers' own code)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, bits: int, in_features: int, source: str,
                  input_scale: float = 0.0, output_scale: float = 0.0):
         super().__init__()
-        self.register_buffer("ints", ints.to(torch.int8).contiguous())  # [out, in]
+        rows = packed.shape[0]
+        per_byte = 8 // bits
+        if packed.ndim != 2 or packed.shape[1] != -(-in_features // per_byte):
+            raise ValueError(f"{source}: packed ints {tuple(packed.shape)} do not hold {in_features} int{bits} per row")
+        self.packed = packed.detach()  # not a buffer: never traced, never in state_dict
+        self.register_buffer("ints", torch.zeros((), dtype=torch.int8).expand(rows, in_features))
         self.register_buffer("scale", scale.to(torch.float32).reshape(-1).contiguous())  # [out]
-        self.bits, self.source = bits, source
+        self.bits, self.source, self.in_features = bits, source, in_features
         self.input_scale, self.output_scale = float(input_scale), float(output_scale)
         if self.input_scale:
             self.register_buffer("srq_in", torch.tensor(self.input_scale, dtype=torch.float32))
         if self.output_scale:
             self.register_buffer("srq_out", torch.tensor(self.output_scale, dtype=torch.float32))
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.ints.shape)
+
+    def int_values(self) -> torch.Tensor:
+        """The signed ints [out, in] as int8, unpacked by transformers' own code."""
+        from transformers.integrations.gemma_quant import _unpack_int2, _unpack_int4
+
+        if self.bits == 2:
+            return _unpack_int2(self.packed, self.in_features)
+        if self.bits == 4:
+            return _unpack_int4(self.packed, self.in_features)
+        return self.packed.to(torch.int8)
+
     def forward(self, x):
         if self.input_scale:
             x = _StaticRangeQuantize.apply(x, self.srq_in)
-        y = F.linear(x, _DequantizePerChannel.apply(self.ints, self.scale, torch.jit.is_tracing()))
+        if torch.jit.is_tracing():
+            y = _IntMatMul.apply(x, self.ints, self.scale)
+        else:
+            y = F.linear(x, self.int_values().to(torch.float32) * self.scale[:, None])
         if self.output_scale:
             y = _StaticRangeQuantize.apply(y, self.srq_out)
         return y
@@ -234,7 +263,7 @@ class SoftcapHead(nn.Module):
         super().__init__()
         self.norm, self.head, self.softcap = norm, head, softcap
         if softcap is not None:
-            self.register_buffer("softcap_vector", torch.full((head.ints.shape[0],), float(softcap)))
+            self.register_buffer("softcap_vector", torch.full((head.shape[0],), float(softcap)))
         self.topk = SlicedTopK(topk, slice_width)
 
     def forward(self, h):
@@ -276,7 +305,7 @@ class StaticGemma(nn.Module):
     # -- one place for the graph's inputs and outputs -----------------------------------------
 
     def io_spec(self, rows: int, graph: str) -> GraphSpec:
-        L, P, K, k = len(self.layers), self.per_layer_width, self.output.head.ints.shape[0], self.output.topk.k
+        L, P, K, k = len(self.layers), self.per_layer_width, self.output.head.shape[0], self.output.topk.k
         inputs = [TensorSpec("embeds", (rows, self.embed_dim), "float32", "token embedding rows (luts/embed_tokens, scale included)")]
         if self.per_layer is not None:
             inputs.append(TensorSpec("per_layer_embeds", (rows, L, P), "float32",

@@ -1,41 +1,51 @@
 """`hyco-convert export --hub`: compile and profile calibrate's QDQ graphs on a real phone through
 qai-hub ("Samsung Galaxy S26 Ultra" by default), download the compiled context binaries and
-record the job links and profile figures in OUT/hub.json.
+record the job links and profile figures in OUT/hub.json and OUT/hub.md.
 
-Needs a token (`QAI_HUB_API_TOKEN` or the client's ~/.qai_hub/client.ini); without one the
-command says so in one line and exits 2. `compile_requests` (what is sent) and `collect`
-(what is read back) are separate so they are tested without an account.
+Needs a token: `QAI_HUB_API_TOKEN`, or the client's own config file (~/.qai_hub/client.ini or
+`QAIHUB_CLIENT_INI`, which also names the API URL); without one the command says so in one line
+and exits 2. The hub device must be the recipe's SoC (`soc-model:` and `hexagon:` attributes), so
+the phone's binaries match the bundle's. OUT is written atomically: a failed job leaves nothing.
 """
 
 from __future__ import annotations
 
 import configparser
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-from hyco.export.stage import GRAPHS
+from hyco.export.qnn import soc_info
+from hyco.export.stage import GRAPHS, _copy_graph
 
-from hyco.artifacts import write_json
+from hyco.artifacts import atomic_dir, markdown_table, write_json
 from hyco.errors import HycoError
 from hyco.io_spec import read_io_spec
 from hyco.recipe import ExportConfig
 
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
+NO_TOKEN = ("export --hub needs a qai-hub API token: set QAI_HUB_API_TOKEN or run `qai-hub configure --api_token "
+            "TOKEN` (nothing was submitted)")
 
 
-def hub_token() -> str | None:
-    """The token qai-hub would use: the environment first, then the client's config file."""
+def hub_config():
+    """The qai_hub.ClientConfig to use, or None without a token: the environment first, then the
+    client's config file (read by the client itself, so its api_url and web_url count too)."""
+    import qai_hub as hub
+    from qai_hub.api_utils import get_config_path, load_api_config_from_file
+    from qai_hub.public_rest_api import APIException
+
     if os.environ.get("QAI_HUB_API_TOKEN"):
-        return os.environ["QAI_HUB_API_TOKEN"]
-    ini = Path(os.environ.get("QAIHUB_CLIENT_INI", Path.home() / ".qai_hub" / "client.ini"))
-    if ini.is_file():
-        parser = configparser.ConfigParser()
-        parser.read(ini)
-        for section in parser.sections():
-            if parser[section].get("api_token"):
-                return parser[section]["api_token"]
-    return None
+        # verbose: the client shows upload/download bars and job status while it waits (minutes)
+        return hub.ClientConfig(api_token=os.environ["QAI_HUB_API_TOKEN"], verbose=True)
+    ini = get_config_path()
+    if not os.path.isfile(ini):
+        return None
+    try:
+        return load_api_config_from_file(ini)
+    except (APIException, configparser.Error) as e:  # a missing [api] field, or not an ini at all
+        raise HycoError(f"{ini}: not a qai-hub client config ({e})") from None
 
 
 def compile_requests(calibrate: Path, config: ExportConfig) -> list[dict[str, Any]]:
@@ -43,47 +53,90 @@ def compile_requests(calibrate: Path, config: ExportConfig) -> list[dict[str, An
     import qai_hub as hub
 
     specs = read_io_spec(Path(calibrate) / "io_spec.json")
-    device = hub.Device(config.device)
     requests = []
     for role, name in GRAPHS.items():
         if name not in specs or not (Path(calibrate) / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
-        requests.append({"role": role, "model": Path(calibrate) / name, "device": device, "name": f"hyco-{role}",
-                         "input_specs": {t.name: (tuple(t.shape), t.dtype) for t in specs[name].inputs},
-                         "options": OPTIONS})
+        requests.append({"role": role, "model": Path(calibrate) / name, "device": hub.Device(config.device),
+                         "name": f"hyco-{role}", "options": OPTIONS,
+                         "input_specs": {t.name: (tuple(t.shape), t.dtype) for t in specs[name].inputs}})
     return requests
 
 
+def check_device(client, config: ExportConfig) -> list[str]:
+    """The hub device's attributes, refused unless it is the recipe's SoC and Hexagon arch."""
+    chip, arch = soc_info(config.soc_model, config.htp_arch)
+    devices = client.get_devices(name=config.device)
+    if not devices:
+        raise HycoError(f"qai-hub has no device named {config.device!r} (export.device)")
+    attributes = sorted({a for d in devices for a in d.attributes})
+    want = {f"soc-model:{config.soc_model}", f"hexagon:v{arch}"}
+    if not want <= set(attributes):
+        found = [a for a in attributes if a.startswith(("soc-model:", "hexagon:"))]
+        raise HycoError(f"qai-hub device {config.device!r} is {found}, not soc_model {config.soc_model} ({chip}, "
+                        f"v{arch}): set export.soc_model to the device's, or pick a {chip} device")
+    return attributes
+
+
 def collect(role: str, compile_job, profile_job, profile: dict[str, Any]) -> dict[str, Any]:
-    """What the report keeps of one graph's jobs (qai-hub's profile JSON layout)."""
+    """What the report keeps of one graph's jobs (qai-hub's profile layout; times in microseconds)."""
     summary = profile.get("execution_summary", {})
     return {"role": role, "compile_job": compile_job.url, "profile_job": profile_job.url,
             "estimated_inference_time_us": summary.get("estimated_inference_time"),
+            "first_load_time_us": summary.get("first_load_time"),
             "peak_memory_bytes": summary.get("inference_memory_peak_range"),
             "compute_units": sorted({d.get("compute_unit") for d in profile.get("execution_detail", [])} - {None})}
 
 
-def hub_export(*, calibrate: Path, out: Path, config: ExportConfig, client=None) -> dict[str, Any]:
-    import qai_hub as hub
+def _finished(job, what: str, model: Path) -> None:
+    status = job.wait()
+    if not status.success:
+        raise HycoError(f"{model}: qai-hub {what} job {job.url} ended {status.code}: {status.message or 'no reason given'}")
 
-    token = hub_token()
-    if client is None and token is None:
-        raise HycoError("export --hub needs a qai-hub API token: set QAI_HUB_API_TOKEN or run `qai-hub configure "
-                        "--api_token TOKEN` (nothing was submitted)")
-    client = client or hub.Client(config=hub.ClientConfig(api_token=token))
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
     jobs = []
-    for r in compile_requests(calibrate, config):
-        compile_job = client.submit_compile_job(model=str(r["model"]), device=r["device"], name=r["name"],
+    for r in requests:
+        # qai-hub takes an ONNX model with external weights as a folder of the graph and its .data
+        upload = tmp / "upload" / r["role"] / r["model"].name
+        _copy_graph(r["model"], upload)
+        compile_job = client.submit_compile_job(model=upload, device=r["device"], name=r["name"],
                                                 input_specs=r["input_specs"], options=r["options"])
+        _finished(compile_job, "compile", r["model"])
         target = compile_job.get_target_model()
-        if target is None:
-            raise HycoError(f"{r['model']}: qai-hub compile job {compile_job.url} failed")
-        target.download(str(out / f"{r['role']}.bin"))
-        profile_job = client.submit_profile_job(model=target, device=r["device"], name=r["name"])
-        jobs.append(collect(r["role"], compile_job, profile_job, profile_job.download_profile()))
-    result = {"device": config.device, "options": OPTIONS, "jobs": jobs,
-              "note": "profile figures are the phone's own (qai-hub), unlike the simulator times of `smoke`"}
-    write_json(out / "hub.json", result)
+        binary = Path(target.download(str(tmp / f"{r['role']}.bin")))
+        profile_job = client.submit_inference_job(model=target, device=r["device"],
+                                                  name=r["name"], profile=True)
+        _finished(profile_job, "profile", r["model"])
+        jobs.append({**collect(r["role"], compile_job, profile_job, profile_job.download_profile()),
+                     "binary": binary.name, "binary_bytes": binary.stat().st_size})
+    return jobs
+
+
+def hub_export(*, calibrate: Path, out: Path, config: ExportConfig) -> dict[str, Any]:
+    import qai_hub as hub
+    from qai_hub.public_rest_api import APIException
+
+    hub_conf = hub_config()
+    if hub_conf is None:
+        raise HycoError(NO_TOKEN)
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / "hub.json").is_file():
+        raise HycoError(f"{out}: not an earlier `export --hub` output, and --out is replaced whole: pick a new folder")
+    requests = compile_requests(calibrate, config)
+    client = hub.Client(config=hub_conf)
+    with atomic_dir(out) as tmp:
+        try:
+            attributes = check_device(client, config)
+            jobs = _run_jobs(client, requests, tmp)
+        except (hub.Error, APIException) as e:  # the client's own errors span lines; the CLI prints one
+            raise HycoError(f"qai-hub: {' '.join(str(e).split())}") from None
+        shutil.rmtree(tmp / "upload")
+        result = {"device": config.device, "device_attributes": attributes, "options": OPTIONS, "jobs": jobs,
+                  "note": "profile figures are the phone's own (qai-hub), unlike the simulator times of `smoke`"}
+        write_json(tmp / "hub.json", result)
+        (tmp / "hub.md").write_text(f"# qai-hub compile + profile on {config.device}\n\n{result['note']}.\n\n"
+                                   + markdown_table(jobs, ["role", "estimated_inference_time_us", "peak_memory_bytes",
+                                                           "compute_units", "binary_bytes", "compile_job",
+                                                           "profile_job"]))
     return result

@@ -151,11 +151,6 @@ class CalibrateConfig:
     sqnr_passes: int = 16  # passes per graph for the per-layer SQNR table
     htp_check: bool = True  # HTP acceptance + simulator-vs-CPU (onnxruntime-qnn, one process per graph)
     simulator_passes: int = 3  # passes per graph run on the HTP simulator (seconds each)
-    # SLM graphs whose final-softcap Tanh is written as 2 sigmoid(2u) - 1. The HTP's Tanh/LogSoftmax
-    # trap is context dependent (platform notes): on the soc-87 simulator, distilled tiny family, the
-    # prefill graph's top-k agreed with the CPU EP only with the rewrite (30/32 rows top-1 vs 4/32) and
-    # the tree graph's only without it (65/66 vs 0/66). Re-check on every new checkpoint.
-    softcap_sigmoid_graphs: tuple[str, ...] = ("prefill",)
     seed: int = 0
 
     def __post_init__(self):
@@ -175,8 +170,6 @@ class CalibrateConfig:
         _require(self.mask_headroom >= 0, f"calibrate.mask_headroom must be >= 0, but got {self.mask_headroom}")
         _require(self.sqnr_passes >= 1, f"calibrate.sqnr_passes must be >= 1, but got {self.sqnr_passes}")
         _require(self.simulator_passes >= 0, f"calibrate.simulator_passes must be >= 0, but got {self.simulator_passes}")
-        _require(set(self.softcap_sigmoid_graphs) <= {"tree", "prefill"},
-                 f"calibrate.softcap_sigmoid_graphs must name tree and/or prefill, but got {list(self.softcap_sigmoid_graphs)}")
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,36 @@ def test_integer_linear_equals_quantized_linear():
         assert torch.equal(integer_linear(q, "t")(x), q(x))
 
 
+def test_int_initializer_from_packed_bytes_equals_unpacked_ints():
+    """export_onnx builds each INT4/INT8 initializer from the checkpoint's packed bytes (XOR,
+    a 256-entry int2 table, or unpack + pack for rows that do not line up): the same values
+    as transformers' unpacking, for every width and row length."""
+    from hyco.convert.export_onnx import int_tensor, pack_int4, unpack_int4
+    from hyco.convert.rewrites import integer_linear
+    from onnx import numpy_helper
+    from transformers.integrations.gemma_quant import QuantizedLinear
+
+    from hyco.gemma_quant import pack
+
+    torch.manual_seed(0)
+    for bits in (2, 4, 8):
+        for width in (20, 18, 19, 1):
+            q = QuantizedLinear(width, 7, num_bits=bits)
+            lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+            values = torch.randint(lo, hi + 1, (7, width), dtype=torch.int8)
+            q.weight.data = pack(values, bits)
+            m = integer_linear(q, "t")
+            assert m.packed.data_ptr() == q.weight.data_ptr()  # the checkpoint's tensor, not a copy
+            t = int_tensor("t.ints", m)
+            assert list(t.dims) == [7, width]
+            if bits <= 4:
+                assert t.raw_data == pack_int4(values.numpy()), (bits, width)
+                got = unpack_int4(t.raw_data, 7 * width).reshape(7, width)
+            else:
+                got = numpy_helper.to_array(t)
+            assert np.array_equal(got, values.numpy()), (bits, width)
+
+
 def test_rmsnorm_decomposed_close_to_transformers():
     from hyco.convert.rewrites import decompose_rmsnorm
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
@@ -550,10 +580,11 @@ def test_parity_exact_without_srq_rounding(tiny_family, tmp_path):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
 def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monkeypatch):
-    """Large models: while the graphs are traced and written, the module's unpacked ints are
-    the only full copy of the weights (bench/bench_convert.py measures the peak):
+    """Large models: while the graphs are traced and written, the module's PACKED ints (the
+    checkpoint's own storage tensors, no int8 copy) are the only full copy of the weights
+    (bench/bench_convert.py measures the peak, tests/test_convert_memory.py bounds it):
     tracing makes no float weight (the traced DequantizeLinear value owns less storage than
-    even the int8 ints), the exporter serializes no weight (they are data-free graph inputs),
+    even the packed ints), the exporter serializes no weight (they are data-free graph inputs),
     and `finalize` writes each tensor's bytes to external data before making the next, and
     writes exactly the module's ints and scales."""
     from hyco.convert import export_onnx, static_model
@@ -569,19 +600,23 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monke
     del model, text, lm_head
     linears = export_onnx.int_linears(static)
     params = static.state_dict()
+    for m in linears.values():  # packed at the checkpoint's width; the buffer is a 1-byte stand-in
+        assert m.packed.numel() == m.shape[0] * -(-m.shape[1] * m.bits // 8), m.source
+        assert m.ints.untyped_storage().nbytes() <= 1
 
-    traced = []  # (int8 bytes of the ints, bytes of storage behind the traced float weight)
-    dequantize = static_model._DequantizePerChannel.forward
+    traced = []  # (weight shape, bytes of storage behind the traced linear's output)
+    int_matmul = static_model._IntMatMul.forward
 
-    def spy_dequantize(ctx, ints, scale, tracing=False):
-        weight = dequantize(ctx, ints, scale, tracing)
-        traced.append((ints.numel(), weight.untyped_storage().nbytes()))
-        return weight
+    def spy_int_matmul(ctx, x, ints, scale):
+        y = int_matmul(ctx, x, ints, scale)
+        traced.append((tuple(ints.shape), y.untyped_storage().nbytes()))
+        return y
 
-    monkeypatch.setattr(static_model._DequantizePerChannel, "forward", staticmethod(spy_dequantize))
+    monkeypatch.setattr(static_model._IntMatMul, "forward", staticmethod(spy_int_matmul))
     export_onnx.export_raw(static, 4, tmp_path / "raw", "g.onnx")
     assert len(traced) == len(linears)
-    assert all(storage < ints for ints, storage in traced), traced
+    # no float weight: a traced linear owns only its float [4 rows, out] output
+    assert all(storage == 4 * out * 4 for (out, _), storage in traced), traced
 
     raw = onnx.load(str(tmp_path / "raw" / "g.onnx"))
     assert [t.name for t in raw.graph.initializer if t.name in params] == []
@@ -589,17 +624,20 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monke
     assert sum(len(t.raw_data) for t in raw.graph.initializer) < min(m.ints.numel() for m in linears.values())
 
     made = []
-    weight_tensor = export_onnx.weight_tensor
+    weight_tensor, int_tensor = export_onnx.weight_tensor, export_onnx.int_tensor
 
-    def spy_weight_tensor(name, value, bits):
-        assert not any(t.HasField("raw_data") and len(t.raw_data) >= export_onnx.EXTERNAL_THRESHOLD for t in made), \
-            "finalize kept a weight's bytes in memory while making the next one"
-        made.append(weight_tensor(name, value, bits))
-        return made[-1]
+    def spy(make):
+        def spied(*args):
+            assert not any(t.HasField("raw_data") and len(t.raw_data) >= export_onnx.EXTERNAL_THRESHOLD for t in made), \
+                "finalize kept a weight's bytes in memory while making the next one"
+            made.append(make(*args))
+            return made[-1]
+        return spied
 
-    monkeypatch.setattr(export_onnx, "weight_tensor", spy_weight_tensor)
+    monkeypatch.setattr(export_onnx, "weight_tensor", spy(weight_tensor))
+    monkeypatch.setattr(export_onnx, "int_tensor", spy(int_tensor))
     path = tmp_path / "out" / "g.onnx"
-    export_onnx.finalize(tmp_path / "raw" / "g.onnx", path, params, export_onnx.weight_bits(static))
+    export_onnx.finalize(tmp_path / "raw" / "g.onnx", path, params, linears)
     assert len(made) == len({i.name for i in raw.graph.input} & set(params))
     written = onnx.load(str(path), load_external_data=False)
     inits = {t.name: t for t in written.graph.initializer}
@@ -617,4 +655,5 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monke
         else:
             values = numpy_helper.to_array(ints)
         assert (m.bits <= 4) == (ints.data_type == onnx.TensorProto.INT4), name
-        assert np.array_equal(values, m.ints.numpy()) and np.array_equal(numpy_helper.to_array(scale), m.scale.numpy())
+        assert np.array_equal(values, m.int_values().numpy())
+        assert np.array_equal(numpy_helper.to_array(scale), m.scale.numpy())

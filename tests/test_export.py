@@ -1,5 +1,5 @@
 """export/: QNN context binaries for soc 87, bundle.json read back from the binaries, the splitter,
-tampered bundles, and the qai-hub path without an account."""
+tampered bundles (the qai-hub path: tests/test_hub.py)."""
 
 from __future__ import annotations
 
@@ -174,87 +174,7 @@ def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
         check_binary_io(binary_info(compiled.binary), spec, str(compiled.binary), "part spec")
 
 
-def test_hub_without_token_is_one_line_exit_2(tmp_path, monkeypatch):
-    monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
-    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "absent.ini"))
-    monkeypatch.setenv("HOME", str(tmp_path))
-    from hyco.cli import main
-
-    code = main(["export", "--hub", "--calibrate", str(tmp_path), "--convert", str(tmp_path), "--qat",
-                 str(tmp_path), "--vocab", str(tmp_path), "--out", str(tmp_path / "out")])
-    assert code == 2
-    assert not (tmp_path / "out" / "hub.json").exists()
-
-
-class _Job:
-    def __init__(self, url, target=None, profile=None):
-        self.url, self._target, self._profile = url, target, profile
-
-    def get_target_model(self):
-        return self._target
-
-    def download_profile(self):
-        return self._profile
-
-
-class _Target:
-    def download(self, path):
-        Path(path).write_bytes(b"compiled")
-
-
-class _RecordingClient:
-    """Stands in for qai_hub.Client: records each request, answers with recorded job results."""
-
-    def __init__(self, profile):
-        self.calls, self.profile = [], profile
-
-    def submit_compile_job(self, **kw):
-        self.calls.append(("compile", kw))
-        return _Job(f"https://workbench.aihub.qualcomm.com/jobs/c{len(self.calls)}", target=_Target())
-
-    def submit_profile_job(self, **kw):
-        self.calls.append(("profile", kw))
-        return _Job(f"https://workbench.aihub.qualcomm.com/jobs/p{len(self.calls)}", profile=self.profile)
-
-
-def test_hub_request_building_and_result_handling(tmp_path):
-    import qai_hub as hub
-    from hyco.export.hub import OPTIONS, compile_requests, hub_export
-
-    from hyco.io_spec import GraphSpec, TensorSpec, write_io_spec
-
-    specs = []
-    for name in ("tree.qdq.onnx", "prefill.qdq.onnx", "mtp_step.qdq.onnx"):
-        (tmp_path / name).write_bytes(b"onnx")
-        specs.append(GraphSpec(name, (TensorSpec("embeds", (33, 64), "float32", "rows"),),
-                               (TensorSpec("topk_ids", (33, 8), "int64", "ids"),)))
-    write_io_spec(tmp_path / "io_spec.json", specs)
-    config = ExportConfig(device="Samsung Galaxy S26 Ultra")
-    requests = compile_requests(tmp_path, config)
-    assert [r["role"] for r in requests] == ["tree", "prefill", "mtp_step"]
-    assert all(isinstance(r["device"], hub.Device) and r["device"].name == "Samsung Galaxy S26 Ultra" for r in requests)
-    assert requests[0]["input_specs"] == {"embeds": ((33, 64), "float32")}
-    profile = {"execution_summary": {"estimated_inference_time": 1234, "inference_memory_peak_range": [1, 2]},
-               "execution_detail": [{"compute_unit": "NPU"}, {"compute_unit": "NPU"}]}
-    client = _RecordingClient(profile)
-    result = hub_export(calibrate=tmp_path, out=tmp_path / "out", config=config, client=client)
-    assert [c[0] for c in client.calls] == ["compile", "profile"] * 3
-    assert client.calls[0][1]["options"] == OPTIONS and client.calls[0][1]["input_specs"] == requests[0]["input_specs"]
-    assert result["jobs"][0]["estimated_inference_time_us"] == 1234 and result["jobs"][0]["compute_units"] == ["NPU"]
-    assert (tmp_path / "out" / "tree.bin").read_bytes() == b"compiled"
-    assert json.loads((tmp_path / "out" / "hub.json").read_text())["jobs"][2]["role"] == "mtp_step"
-
-
-@pytest.mark.device
-def test_hub_live_compile_and_profile(request, tmp_path):
-    from hyco.export.hub import hub_export, hub_token
-
-    if hub_token() is None:
-        pytest.skip("no qai-hub API token (QAI_HUB_API_TOKEN or ~/.qai_hub/client.ini): live compile/profile on "
-                    "Samsung Galaxy S26 Ultra not run")
-    calibrated = request.getfixturevalue("tiny_calibrated")
-    result = hub_export(calibrate=calibrated / "calibrate", out=tmp_path, config=ExportConfig())
-    assert all(j["estimated_inference_time_us"] for j in result["jobs"])
+# the qai-hub path (--hub) is tested in tests/test_hub.py
 
 
 @pytest.mark.slow

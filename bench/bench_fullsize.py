@@ -1,0 +1,325 @@
+"""Full-size dry run: vocab, convert, qat, calibrate and export on an E2B-shaped family, each
+stage in its own process, with wall time, peak RSS and bytes written per stage and the sizes
+the paper's Table 3 gives.
+
+    .venv/bin/python bench/bench_fullsize.py --out DIR [--family DIR] [--recipe FILE] [--set KEY=VALUE ...]
+
+Without --family it first writes the e2b-shapes family (`hyco-convert fixtures --preset
+e2b-shapes`; timed, but outside the dry run's totals) into DIR/family. The recipe (default
+recipes/e2b-shapes.yaml, else recipes/tiny.yaml's settings) gets the family's folders and the
+PLUMBING overrides below: a few QAT steps and calibration prompts, no HTP simulator runs and no
+smoke test, convert's parity checks off (bit-exactness is always proven). This measures
+plumbing, time, memory and sizes, not accuracy. `--set` overrides go last.
+
+Each stage runs as `bench_fullsize.py --stage NAME` in a fresh interpreter (the stage's own
+`run_stage`, as `hyco-convert run` does it), and its peak RSS is the child's `ru_maxrss` from
+`os.wait4` (its worker processes included), so stages never inherit each other's peak. Writes
+DIR/bench_report.json and DIR/bench_summary.md, and DIR/logs/<stage>.log. A failed stage stops
+the run; the report says where.
+
+Goals (issue 13; measured, not tested): the whole dry run (fixtures excluded) <= 15 min wall and
+<= 6 GiB peak RSS on the 2-core / 24 GiB development machine; convert alone <= 2 min and 3 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("vocab", "convert", "qat", "calibrate", "export")
+MODELS = ("tokenizer", "slm", "verifier", "assistant")
+# A few steps and prompts: the dry run measures plumbing, time, memory and sizes, not accuracy.
+PLUMBING = (
+    "convert.parity=false",  # traced parity on a 35-layer E2B is minutes of transformers on the CPU
+    "qat.steps=3", "qat.warmup_steps=1", "qat.max_new_tokens_train=32", "qat.max_new_tokens_eval=32",
+    "qat.max_prompt_tokens=64", "qat.calibration_sequences=2",
+    "answers.source=corpus",  # a random verifier's greedy text is degenerate
+    "calibrate.prompts=2", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=24", "calibrate.max_passes=8",
+    "calibrate.sqnr_passes=2", "calibrate.htp_check=false",  # the HTP simulator: ~1 min per pass at full size
+    "export.smoke_prompts=0",
+)
+# Table 3 of the paper (decimal MB) and the phone's memory bandwidth for the floor of a pass.
+TABLE3 = {"slm_graph": ("SLM NPU graph", 754e6), "mtp_graph": ("MTP graph at W4", 123e6),
+          "mtp_embed_lut": ("MTP embedding LUT (8-bit)", 242e6)}
+BANDWIDTH = 60e9  # bytes/s
+GOALS = {"total_wall_s": 15 * 60, "total_peak_rss_mb": 6 * 1024, "convert_wall_s": 120, "convert_peak_rss_mb": 3 * 1024}
+
+
+# --- one stage, in the child -----------------------------------------------------------------------
+
+
+def run_one(stage: str, recipe_path: Path, run_dir: Path, overrides: list[str]) -> None:
+    from hyco.artifacts import run_stage
+    from hyco.recipe import load_recipe
+    from hyco.stages import load_stage, stage_dir, stage_section
+
+    recipe = load_recipe(recipe_path, overrides)
+    module = load_stage(stage)
+    run_stage(stage, stage_dir(run_dir, stage), stage_section(module, stage, recipe), module.inputs(recipe, run_dir),
+              lambda tmp: module.build(recipe, run_dir, tmp), force=True,
+              allow_parity_failure=recipe.allow_parity_failure)
+
+
+# --- the parent: measuring children ------------------------------------------------------------------
+
+
+def measure(cmd: list[str], log: Path) -> dict:
+    """Run `cmd` with its output in `log`: wall seconds, the child's peak RSS (MiB, its own
+    children included: wait4 reports the larger), exit status."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "rc": proc.returncode}
+
+
+def folder_bytes(folder: Path) -> tuple[int, int]:
+    files = [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return "\n".join(line[-300:] for line in text.replace("\r", "\n").splitlines()[-lines:])
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def base_recipe(explicit: Path | None) -> Path:
+    if explicit is not None:
+        return explicit
+    full = ROOT / "recipes" / "e2b-shapes.yaml"
+    return full if full.is_file() else ROOT / "recipes" / "tiny.yaml"
+
+
+def recipe_overrides(family: Path, run_dir: Path, stages: tuple[str, ...], vocab_size: int | None,
+                     user: list[str]) -> list[str]:
+    sets = [f"out={run_dir}", f"stages=[{', '.join(stages)}]", "fixtures=null"]
+    sets += [f"models.{m}={family / m}" for m in MODELS]
+    if vocab_size is not None:
+        sets.append(f"vocab.size={vocab_size}")
+    return sets + list(PLUMBING) + list(user)
+
+
+# --- sizes against Table 3 -----------------------------------------------------------------------------
+
+
+def graph_weight_bytes(graph: Path) -> int | None:
+    if not graph.is_file():
+        return None
+    from hyco.export.bundle import weight_bytes
+
+    return weight_bytes(graph)
+
+
+def file_size(path: Path) -> int | None:
+    return path.stat().st_size if path.is_file() else None
+
+
+def sizes(run_dir: Path) -> dict:
+    """The artifacts Table 3 sizes, the context binaries, and weight bytes per pass."""
+    convert, qat, export = run_dir / "convert", run_dir / "qat", run_dir / "export"
+    binaries = []
+    report = export / "report.json"
+    if report.is_file():
+        for row in json.loads(report.read_text())["graphs"]:
+            binaries.append({"graph": row["graph"], "binary": row["part"], "binary_bytes": row["binary_bytes"],
+                             "weight_bytes": row["weight_bytes"], "compile_s": row["compile_s"]})
+    by_graph = {b["graph"]: b for b in binaries}
+    ours = {
+        "slm_graph": {"what": "convert/tree.onnx weights (INT4/INT8 initializers)",
+                      "bytes": graph_weight_bytes(convert / "tree.onnx"),
+                      "binary_bytes": by_graph.get("tree", {}).get("binary_bytes")},
+        "mtp_graph": {"what": "qat/mtp_step.onnx weights (W4)", "bytes": graph_weight_bytes(qat / "mtp_step.onnx"),
+                      "binary_bytes": by_graph.get("mtp_step", {}).get("binary_bytes")},
+        "mtp_embed_lut": {"what": "qat/embed_lut.safetensors (file)", "bytes": file_size(qat / "embed_lut.safetensors"),
+                          "binary_bytes": None},
+    }
+    table3 = []
+    for key, (label, paper) in TABLE3.items():
+        row = ours[key]
+        ref = row["binary_bytes"] or row["bytes"]
+        table3.append({"item": label, "paper_bytes": paper, "ours": row["what"], "bytes": row["bytes"],
+                       "context_binary_bytes": row["binary_bytes"],
+                       "vs_paper": None if ref is None else round(ref / paper - 1, 4)})
+    per_pass = []
+    graphs = {"tree": convert / "tree.onnx", "prefill": convert / "prefill.onnx", "mtp_step": qat / "mtp_step.onnx"}
+    for role, graph in graphs.items():
+        weights = by_graph.get(role, {}).get("weight_bytes") or graph_weight_bytes(graph)
+        if weights is None:
+            continue
+        per_pass.append({"graph": role, "weight_bytes": weights, "binary_bytes": by_graph.get(role, {}).get("binary_bytes"),
+                         "floor_ms_at_60GBps": round(weights / BANDWIDTH * 1e3, 2)})
+    luts = {p.name: p.stat().st_size for p in sorted((convert / "luts").glob("*.safetensors"))}
+    return {"table3": table3, "context_binaries": binaries, "weight_bytes_per_pass": per_pass, "slm_luts": luts}
+
+
+# --- report --------------------------------------------------------------------------------------------
+
+
+def mb(b) -> str:
+    return "-" if b is None else f"{b / 1e6:,.1f} MB"
+
+
+def summary_md(report: dict) -> str:
+    from hyco.artifacts import markdown_table
+
+    rows = [{"stage": s["stage"], "status": s["status"], "wall_s": s["wall_s"], "peak_rss_mib": round(s["peak_rss_mb"]),
+             "bytes_written": mb(s["bytes"]), "files": s["files"], "load_avg_after": s["load_avg_after"]}
+            for s in report["stages"]]
+    t = report["totals"]
+    md = [f"# Full-size dry run: {report['family']}",
+          "",
+          f"Recipe {report['recipe']} with the bench's plumbing overrides (few QAT steps and calibration prompts, "
+          "no HTP simulator runs or smoke, convert parity off; bit-exactness always checked). Machine: "
+          f"{report['machine']['cpus']} CPUs, {report['machine']['mem_gib']} GiB; load average at start "
+          f"{report['machine']['load_avg_start']} (shared with other jobs).",
+          "",
+          markdown_table(rows, list(rows[0])) if rows else "(no stage ran)",
+          "",
+          f"Dry run (fixtures excluded): {t['wall_s']} s wall, peak RSS {t['peak_rss_mb']:.0f} MiB (largest stage), "
+          f"{mb(t['bytes'])} written; all stages passed: {t['all_passed']}.",
+          ""]
+    if report.get("fixtures"):
+        f = report["fixtures"]
+        md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")
+        md.append("")
+    md += ["## Goals (issue 13)", ""]
+    md += [f"- {g['goal']}: {g['figure']} -> {'met' if g['met'] else 'NOT met'}" for g in report["goals"]]
+    s = report["sizes"]
+    md += ["", "## Sizes vs the paper's Table 3", "",
+           markdown_table([{"item": r["item"], "paper": mb(r["paper_bytes"]), "ours": r["ours"], "bytes": mb(r["bytes"]),
+                            "context binary": mb(r["context_binary_bytes"]),
+                            "vs paper": "-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%"}
+                           for r in s["table3"]], ["item", "paper", "ours", "bytes", "context binary", "vs paper"])]
+    if s["context_binaries"]:
+        md += ["", "Context binaries:", "",
+               markdown_table([{**b, "binary_bytes": mb(b["binary_bytes"]), "weight_bytes": mb(b["weight_bytes"])}
+                               for b in s["context_binaries"]], list(s["context_binaries"][0]))]
+    if s["weight_bytes_per_pass"]:
+        md += ["", f"Weight bytes per pass (floor of a pass on the phone at {BANDWIDTH / 1e9:.0f} GB/s; the paper "
+               "measured 15.7 ms for its 754 MB SLM graph):", "",
+               markdown_table([{**r, "weight_bytes": mb(r["weight_bytes"]), "binary_bytes": mb(r["binary_bytes"])}
+                               for r in s["weight_bytes_per_pass"]], list(s["weight_bytes_per_pass"][0]))]
+    if report.get("failure"):
+        md += ["", f"**Stopped at {report['failure']['stage']}** (exit {report['failure']['rc']}):", "", "```",
+               report["failure"]["log_tail"], "```"]
+    return "\n".join(md) + "\n"
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{'stage':<10} {'status':<8} {'wall s':>8} {'peak RSS MiB':>13} {'bytes written':>16}  load avg")
+    for s in report["stages"]:
+        print(f"{s['stage']:<10} {s['status']:<8} {s['wall_s']:>8.1f} {s['peak_rss_mb']:>13.0f} {mb(s['bytes']):>16}  "
+              f"{s['load_avg_after']}")
+    t = report["totals"]
+    print(f"{'total':<10} {'':<8} {t['wall_s']:>8.1f} {t['peak_rss_mb']:>13.0f} {mb(t['bytes']):>16}")
+    print("\nTable 3:")
+    for r in report["sizes"]["table3"]:
+        vs = "-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%"
+        print(f"  {r['item']:<28} paper {mb(r['paper_bytes']):>10}  ours {mb(r['bytes']):>10}  "
+              f"binary {mb(r['context_binary_bytes']):>10}  {vs}")
+    for r in report["sizes"]["weight_bytes_per_pass"]:
+        print(f"  {r['graph']:<8} weights/pass {mb(r['weight_bytes']):>10} -> floor {r['floor_ms_at_60GBps']} ms at 60 GB/s")
+    for g in report["goals"]:
+        print(f"  goal {g['goal']}: {g['figure']} -> {'met' if g['met'] else 'NOT met'}")
+
+
+def goals(stages: list[dict], total: dict, all_ran: bool) -> list[dict]:
+    conv = next((s for s in stages if s["stage"] == "convert"), None)
+    out = [{"goal": "whole dry run <= 15 min wall", "figure": f"{total['wall_s']:.0f} s",
+            "met": all_ran and total["wall_s"] <= GOALS["total_wall_s"]},
+           {"goal": "whole dry run <= 6 GiB peak RSS", "figure": f"{total['peak_rss_mb']:.0f} MiB",
+            "met": all_ran and total["peak_rss_mb"] <= GOALS["total_peak_rss_mb"]}]
+    if conv is not None:
+        out += [{"goal": "convert <= 2 min wall", "figure": f"{conv['wall_s']:.0f} s",
+                 "met": conv["status"] == "ok" and conv["wall_s"] <= GOALS["convert_wall_s"]},
+                {"goal": "convert <= 3 GiB peak RSS", "figure": f"{conv['peak_rss_mb']:.0f} MiB",
+                 "met": conv["status"] == "ok" and conv["peak_rss_mb"] <= GOALS["convert_peak_rss_mb"]}]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="bench folder (run/, logs/, family/, report)")
+    parser.add_argument("--family", type=Path, help="a fixtures folder (tokenizer/, slm/, verifier/, assistant/); "
+                        "default: write the e2b-shapes family into OUT/family")
+    parser.add_argument("--recipe", type=Path, help="base recipe (default: recipes/e2b-shapes.yaml)")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, in order (default: all five)")
+    parser.add_argument("--vocab-size", type=int, help="keep-set size (default: the recipe's; the paper's is 86089)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override, applied last")
+    parser.add_argument("--stage", help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stage:
+        run_one(args.stage, args.recipe, args.run_dir, args.set)
+        return 0
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir, logs = out / "run", out / "logs"
+    stages = tuple(s for s in args.stages.split(",") if s)
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        parser.error(f"unknown stages {unknown} (known: {', '.join(STAGES)})")
+    recipe = base_recipe(args.recipe)
+    report: dict = {"recipe": str(recipe), "run_dir": str(run_dir), "stages": [], "fixtures": None,
+                    "machine": {"cpus": os.cpu_count(), "load_avg_start": load_average(),
+                                "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}}
+    family = args.family.resolve() if args.family else out / "family"
+    if args.family is None:
+        print(f"[fixtures] writing the e2b-shapes family into {family} (outside the totals) ...", flush=True)
+        cmd = [sys.executable, "-m", "hyco.cli", "fixtures", "--preset", "e2b-shapes", "--out", str(family)]
+        m = measure(cmd, logs / "fixtures.log")
+        report["fixtures"] = {**m, "bytes": folder_bytes(family)[0]}
+        if m["rc"] != 0:
+            sys.exit(f"fixtures failed (exit {m['rc']}):\n{tail(logs / 'fixtures.log')}")
+    report["family"] = str(family)
+    sets = recipe_overrides(family, run_dir, tuple(STAGES), args.vocab_size, args.set)
+    report["overrides"] = sets
+    recipe_file = out / "recipe.overrides.json"
+    recipe_file.write_text(json.dumps({"recipe": str(recipe), "set": sets}, indent=2))
+    for stage in stages:
+        print(f"[{stage}] ...", flush=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--stage", stage, "--recipe",
+               str(recipe), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s))]
+        m = measure(cmd, logs / f"{stage}.log")
+        written, files = folder_bytes(run_dir / stage)
+        row = {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,
+               "load_avg_after": load_average()}
+        report["stages"].append(row)
+        print(f"[{stage}] {row['status']}: {m['wall_s']} s, peak RSS {m['peak_rss_mb']:.0f} MiB, {mb(written)}, "
+              f"load {row['load_avg_after']}", flush=True)
+        if m["rc"] != 0:
+            report["failure"] = {"stage": stage, "rc": m["rc"], "log": str(logs / f"{stage}.log"),
+                                 "log_tail": tail(logs / f"{stage}.log")}
+            break
+    ran = report["stages"]
+    all_ok = bool(ran) and all(s["status"] == "ok" for s in ran) and len(ran) == len(stages)
+    report["totals"] = {"wall_s": round(sum(s["wall_s"] for s in ran), 1),
+                        "peak_rss_mb": max((s["peak_rss_mb"] for s in ran), default=0.0),
+                        "bytes": sum(s["bytes"] for s in ran), "all_passed": all_ok}
+    report["sizes"] = sizes(run_dir)
+    report["goals"] = goals(ran, report["totals"], all_ok and set(stages) == set(STAGES))
+    from hyco.artifacts import write_json
+
+    write_json(out / "bench_report.json", report)
+    (out / "bench_summary.md").write_text(summary_md(report))
+    print_table(report)
+    print(f"\nwrote {out / 'bench_report.json'} and {out / 'bench_summary.md'}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
