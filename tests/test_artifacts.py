@@ -1,10 +1,12 @@
 """Atomic stage folders and manifests: no half artifact, reruns skip, edits invalidate."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from hyco.artifacts import atomic_dir, manifest_matches, run_stage, stage_key
+from hyco.artifacts import atomic_dir, manifest_matches, peak_rss_mb, run_stage, stage_key
 
 
 def _build(files):
@@ -191,3 +193,15 @@ def test_manifest_names_nondeterministic_outputs_and_why(tmp_path):
     m2 = run_stage("s", tmp_path / "other", {"a": 1}, {}, _build({"x.txt": "hi"}))
     assert "nondeterministic" not in m2
 
+
+
+def test_peak_rss_of_a_child_is_its_own_not_its_parents():
+    """A child started by a process that holds 600 MiB reports its own small peak. ru_maxrss
+    fails this on Linux: subprocess starts children with vfork and exec keeps the parent's mark."""
+    ballast = bytearray(600 * 2**20)
+    ballast[:: 4096] = b"x" * len(ballast[:: 4096])  # touch every page, so it is resident
+    code = "from hyco.artifacts import peak_rss_mb; print(peak_rss_mb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert peak_rss_mb() > 600
+    assert 1 < child < 300, f"child reported {child:.0f} MiB"
+    del ballast

@@ -32,14 +32,15 @@ SMALL = fullsize.reduced(E2B, slm_layers=4, full_period=2, kv_shared=2, verifier
 VOCAB = 262_144
 
 WRITE = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
     import torch, transformers  # imported before the baseline is taken: the writer needs both
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM  # noqa: F401
+    from hyco.artifacts import peak_rss_mb
     from hyco.fixtures import fullsize
     from hyco.fixtures.presets import get_preset
 
     def peak_kib():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak_rss_mb() * 1024  # this process's own peak, not the vfork'ing pytest's
 
     spec = fullsize.reduced(get_preset("e2b-shapes"), slm_layers=4, full_period=2, kv_shared=2, verifier_layers=2)
     baseline = peak_kib()
