@@ -80,8 +80,15 @@ def top_margin(logprobs: np.ndarray) -> np.ndarray:
     return part[..., -1] - part[..., -2]
 
 
+def topk_logprob_error(ref_logprobs: np.ndarray, q_logprobs: np.ndarray, k: int) -> float:
+    """max |float - QDQ| log-prob over each row's QDQ top-k tokens: what 16-bit quantization
+    moves the log-probs the graph returns (the budget the HTP-vs-CPU check is held to)."""
+    top = np.argpartition(-q_logprobs, k - 1, axis=-1)[..., :k]
+    return float(np.abs(np.take_along_axis(ref_logprobs, top, -1) - np.take_along_axis(q_logprobs, top, -1)).max())
+
+
 def summarize(top1: list[np.ndarray], kl: list[np.ndarray], sqnr_db: dict[str, float],
-              margins: list[np.ndarray] | None = None) -> dict[str, Any]:
+              margins: list[np.ndarray] | None = None, topk_err: list[float] | None = None) -> dict[str, Any]:
     top1 = np.concatenate(top1) if top1 else np.zeros(0, bool)
     kl = np.concatenate(kl) if kl else np.zeros(0)
     by_margin = {}
@@ -94,7 +101,8 @@ def summarize(top1: list[np.ndarray], kl: list[np.ndarray], sqnr_db: dict[str, f
     worst = sorted(({"layer": k, "sqnr_db": v} for k, v in sqnr_db.items()), key=lambda r: r["sqnr_db"])
     return {"top1_agreement": float(top1.mean()) if top1.size else float("nan"), "rows": int(top1.size),
             "kl": float(kl.mean()) if kl.size else float("nan"), "kl_p99": float(np.percentile(kl, 99)) if kl.size else None,
-            "sqnr_db": sqnr_db, "worst_layers": worst[:3], **by_margin}
+            "sqnr_db": sqnr_db, "worst_layers": worst[:3], **by_margin,
+            "topk_logprob_error": max(topk_err) if topk_err else None}
 
 
 def to_codes(feeds: dict, spec) -> dict:
@@ -122,18 +130,20 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
     for g, name in SLM_GRAPHS.items():
         f_rec = getattr(f_slm, f"{g}_session")
         q_rec = getattr(q_slm, f"{g}_session")
-        top1, kl, feeds, rows, margins = [], [], [], [], []
+        top1, kl, feeds, rows, margins, topk_err = [], [], [], [], [], []
+        k = int(inputs["convert_specs"][name].meta.get("topk", 8))
         for (_, fo), (qf, qo), n in zip(f_rec.passes, q_rec.passes, f_rec.active, strict=True):
             a, b = log_softmax(fo["logits"][:n]), log_softmax(qo["logits"][:n])
             top1.append(a.argmax(-1) == b.argmax(-1))
             margins.append(top_margin(a))
             kl.append(kl_rows(a, b))
+            topk_err.append(topk_logprob_error(a, b, k))
             feeds.append(qf)
             rows.append(n)
         pick = np.linspace(0, len(feeds) - 1, min(config.sqnr_passes, len(feeds))).astype(int).tolist()
         db = sqnr(onnx.load(str(convert / name)), onnx.load(str(out / PARITY_NAMES[g])),
                   [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick])
-        results[g] = summarize(top1, kl, db, margins) | {"passes": len(feeds)}
+        results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(feeds)}
         # the HTP check runs the QDQ driver's own passes (a fuller tree pass first)
         order = sorted(range(len(feeds)), key=lambda i: -rows[i])
         htp_feeds[g] = [feeds[i] for i in order]
@@ -164,19 +174,21 @@ def run_mtp(qat: Path, out: Path, inputs: dict, config, negative: float, tmp: Pa
     spec_lsm = type("S", (), {"outputs": [*spec.outputs, type("T", (), {"name": lsm})()]})()
     ref_b = replay_mtp(a, spec_lsm, bursts)  # step outputs + the full log-probs, for KL
     q_b = replay_mtp(b, spec_lsm, bursts)
-    top1, kl, per_step, margins = [], [], {}, []
+    top1, kl, per_step, margins, topk_err = [], [], {}, [], []
+    k = int(spec.meta.get("topk", 8))
     for rb, qb in zip(ref_b, q_b, strict=True):
         for step, ((_, ro), (_, qo)) in enumerate(zip(rb, qb, strict=True)):
             agree = ro["topk_ids"][:, 0] == qo["topk_ids"][:, 0]
             top1.append(agree)
             kl.append(kl_rows(ro[lsm].astype(np.float64), qo[lsm].astype(np.float64)))
+            topk_err.append(topk_logprob_error(ro[lsm].astype(np.float64), qo[lsm].astype(np.float64), k))
             margins.append(top_margin(ro[lsm].astype(np.float64)))
             per_step.setdefault(step + 1, []).append(bool(agree.all()))
     feeds = [f for burst in bursts for f, _ in burst]
     pick = np.linspace(0, len(feeds) - 1, min(config.sqnr_passes, len(feeds))).astype(int).tolist()
     db = sqnr(ref_model, q_model, [feeds[i] for i in pick], tmp, "sqnr_mtp")
     del names
-    res = summarize(top1, kl, db, margins) | {"bursts": len(bursts),
+    res = summarize(top1, kl, db, margins, topk_err) | {"bursts": len(bursts),
                                      "top1_per_step": {k: float(np.mean(v)) for k, v in per_step.items()}}
     return {"graphs": {"mtp": res}, "htp_feeds": {"mtp": [f for burst in q_b for f, _ in burst]}}
 

@@ -4,7 +4,8 @@
 (HTP results were seen to leak between sessions in one process): it opens the graph on the
 onnxruntime-qnn plugin EP (HTP backend, soc_model 87, CPU fallback disabled, graph assignment
 recorded), counts the nodes not assigned to QNN, and, given recorded feeds, runs each pass on
-the HTP (the x86 simulator here) and on the CPU EP and compares top-k ids and log-probs.
+the HTP (the x86 simulator here) and on the CPU EP and compares top-k ids and log-probs
+(`compare_passes`: the same rule as export's smoke test, held to the graph's quantization error).
 """
 
 from __future__ import annotations
@@ -52,7 +53,39 @@ def assignment(sess) -> dict:
             "not_on_qnn": other}
 
 
-def _check(graph: Path, feeds_path: Path | None, out: Path) -> None:
+def compare_passes(htp, cpu, data, bound: float | None) -> dict:
+    """Each recorded pass on the HTP and on the CPU EP, compared by export.smoke's rule (`PassLog`):
+    top-k ids equal except swaps between tokens whose CPU log-probs are within `bound`, sorted
+    top-k log-probs within `bound`. `bound` (calibrate: the graph's own top-k log-prob error vs
+    its float graph on the eval prompts, `evaluate.topk_logprob_error`): the HTP, a second
+    integer implementation of the same QDQ graph, may not move a log-prob further from the CPU
+    than 16-bit quantization moved it from float."""
+    import time
+
+    from hyco.export.smoke import PassLog
+
+    passes = sorted({k.split("/", 1)[0] for k in data.files})
+    names = [o.name for o in htp.get_outputs()]
+    log = PassLog(bound if bound is not None else float("inf"))
+    sim_s = 0.0
+    for p in passes:
+        feeds = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(p + "/")}
+        start = time.perf_counter()
+        h = htp.run(names, feeds)
+        sim_s += time.perf_counter() - start
+        log.record("graph", names, h, cpu.run(names, feeds))
+    rows = log.rows
+    return {"passes": len(rows), "rows": sum(r["rows"] for r in rows),
+            "topk_ids_equal_rows": sum(r["ids_equal_rows"] for r in rows),
+            "top1_equal_rows": sum(r["top1_equal"] for r in rows),
+            "id_mismatches": sum(r["id_mismatches"] for r in rows), "tie_swaps": sum(r["tie_swaps"] for r in rows),
+            "max_abs_logprob_diff": max(r["max_logprob_diff"] for r in rows),
+            "per_pass_max_abs_logprob_diff": [r["max_logprob_diff"] for r in rows],
+            "bound": bound, "within_bound": None if bound is None else all(log.ok(r) for r in rows),
+            "simulator_s_per_pass": sim_s / max(len(rows), 1)}
+
+
+def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None = None) -> None:
     import onnx
     from hyco.convert.export_onnx import ort_session
 
@@ -66,49 +99,22 @@ def _check(graph: Path, feeds_path: Path | None, out: Path) -> None:
         return
     result.update(assignment(sess), accepted=True)
     if feeds_path is not None:
-        cpu = ort_session(graph)
-        data = np.load(feeds_path)
-        passes = sorted({k.split("/", 1)[0] for k in data.files})
-        names = [o.name for o in sess.get_outputs()]
-        lp_name = "topk_logprobs"
-        id_name = "topk_indices" if "topk_indices" in names else "topk_ids"
-        rows = ids_equal = top1_equal = 0
-        max_diff, per_pass, gaps = 0.0, [], []
-        import time
-
-        sim_s = 0.0
-        for p in passes:
-            feeds = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(p + "/")}
-            start = time.perf_counter()
-            h = dict(zip(names, sess.run(names, feeds), strict=True))
-            sim_s += time.perf_counter() - start
-            c = dict(zip(names, cpu.run(names, feeds), strict=True))
-            eq = (h[id_name] == c[id_name]).all(-1)
-            rows += eq.size
-            ids_equal += int(eq.sum())
-            top1 = h[id_name][:, 0] == c[id_name][:, 0]
-            top1_equal += int(top1.sum())
-            # why a row's top-1 differs: its top-2 log-probs on the CPU are within the noise?
-            gaps += [float(c[lp_name][r, 0] - c[lp_name][r, 1]) for r in np.flatnonzero(~top1)]
-            diff = float(np.abs(h[lp_name] - c[lp_name]).max())
-            max_diff = max(max_diff, diff)
-            per_pass.append(diff)
-        result["simulator_vs_cpu"] = {"passes": len(passes), "rows": rows, "topk_ids_equal_rows": ids_equal,
-                                      "top1_equal_rows": top1_equal, "max_abs_logprob_diff": max_diff,
-                                      "per_pass_max_abs_logprob_diff": per_pass,
-                                      "top1_gap_of_differing_rows": gaps,
-                                      "simulator_s_per_pass": sim_s / max(len(passes), 1)}
+        result["simulator_vs_cpu"] = compare_passes(sess, ort_session(graph), np.load(feeds_path), bound)
     out.write_text(json.dumps(result))
 
 
-def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None = None, timeout: float = 900) -> dict:
-    """Run `_check` on `graph` in a fresh interpreter; `feeds` are saved to a temp .npz."""
+def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None = None, timeout: float = 900,
+                        bound: float | None = None) -> dict:
+    """Run `_check` on `graph` in a fresh interpreter; `feeds` are saved to a temp .npz; `bound`:
+    see `compare_passes`."""
     with tempfile.TemporaryDirectory(prefix="hyco-htp-") as tmp:
         tmp = Path(tmp)
         args = [sys.executable, "-m", "hyco.calibrate.htp", str(graph), str(tmp / "result.json")]
         if feeds:
             np.savez(tmp / "feeds.npz", **{f"{i:04d}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()})
             args.append(str(tmp / "feeds.npz"))
+            if bound is not None:
+                args.append(repr(float(bound)))
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not (tmp / "result.json").is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -117,4 +123,5 @@ def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None =
 
 
 if __name__ == "__main__":
-    _check(Path(sys.argv[1]), Path(sys.argv[3]) if len(sys.argv) > 3 else None, Path(sys.argv[2]))
+    _check(Path(sys.argv[1]), Path(sys.argv[3]) if len(sys.argv) > 3 else None, Path(sys.argv[2]),
+           float(sys.argv[4]) if len(sys.argv) > 4 else None)

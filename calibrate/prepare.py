@@ -350,8 +350,10 @@ def softcap_scale_as_div(model: onnx.ModelProto) -> onnx.ModelProto:
     convert as a vector) -> Div(Tanh(u), 1/c). Trap: on the soc-87 HTP (simulator), a Tanh feeding
     a Mul returns garbage in rows 2..15 of a 16-row tensor (any width, Mul by a scalar or a vector,
     any Tanh encoding), reading memory that changes between processes; rows 8, 17, 32, 33 are
-    right. A Div in the Mul's place is right at every row count tried (tests/test_calibrate.py
-    reproduces the trap and the fix on the simulator)."""
+    right. A Div in the Mul's place made convert's prefill graph right (the stage's simulator
+    check holds it within its bound), but NOT a synthetic x / 30 -> Tanh -> x 30 graph of 16 x 64:
+    there rows 2.. stay wrong with the Div too, so the trap's trigger is not fully known; the
+    stage's simulator-vs-CPU check is what catches it on a new graph."""
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}

@@ -47,6 +47,74 @@ def mask_qparams(negative: float) -> tuple[float, int]:
     return -float(negative) / 65535.0, 65535
 
 
+HTP_RECIPROCAL_MIN_TOP = 1.0  # a Reciprocal input encoding must reach 1.0
+HTP_LOG_MIN_SPAN = 4.0  # a Log output encoding must span 4.0 (uint16 scale >= 4 / 65535, ~2^-14)
+
+
+def htp_range_overrides(ranges: dict[str, dict[str, list[float]]], overrides: dict) -> dict[str, int]:
+    """Widen the encodings the HTP's 16-bit kernels cannot use (measured on the simulator, soc 87),
+    as quantizer overrides added to `overrides` (an explicit override already there wins):
+    - trap: a Reciprocal whose input encoding tops out below 1.0 returns ~top/x: the input range
+      is widened to reach 1.0;
+    - trap: a Log whose output encoding spans less than 4.0 returns the encoding's minimum for
+      every element (log(sum exp) of the keep set, [0, 3.6] on a peaky drafter: every log-prob
+      of a row off by log(sum), up to 2.7 nats; [0, 3.99] fails, [0, 4.0] is exact to 1 code,
+      whatever the input range): the output range is widened to span 4.0 (a step of 6.1e-5
+      instead of at best 5.5e-5 on the tiny graphs).
+    `ranges` is `stage.measure_masks`'s: {"reciprocal_in": {name: [lo, hi]}, "log_out": {...}},
+    measured on the calibration feeds. Returns how many tensors each rule widened."""
+    widened = {"reciprocal_in": 0, "log_out": 0}
+    for name, (lo, hi) in ranges.get("reciprocal_in", {}).items():
+        if hi < HTP_RECIPROCAL_MIN_TOP and name not in overrides:
+            overrides[name] = [{"rmin": np.array(min(lo, 0.0), np.float32),
+                                "rmax": np.array(HTP_RECIPROCAL_MIN_TOP, np.float32)}]
+            widened["reciprocal_in"] += 1
+    for name, (lo, hi) in ranges.get("log_out", {}).items():
+        lo = min(lo, 0.0)
+        if hi - lo < HTP_LOG_MIN_SPAN and name not in overrides:
+            # the calibrator sees these feeds with the chosen mask value: 1% headroom on top
+            overrides[name] = [{"rmin": np.array(lo, np.float32),
+                                "rmax": np.array(max(lo + HTP_LOG_MIN_SPAN, 1.01 * hi), np.float32)}]
+            widened["log_out"] += 1
+    return widened
+
+
+def htp_encoding_violations(model: onnx.ModelProto) -> list[str]:
+    """The QDQ graph's encodings that `htp_range_overrides` exists to avoid, as readable lines
+    (empty: none): a Log output spanning less than HTP_LOG_MIN_SPAN, a Reciprocal input whose top
+    is below HTP_RECIPROCAL_MIN_TOP."""
+    inits = _inits(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+
+    def grid(q) -> tuple[float, float]:
+        scale = float(numpy_helper.to_array(inits[q.input[1]]))
+        zero_t = inits[q.input[2]]
+        info = np.iinfo(helper.tensor_dtype_to_np_dtype(zero_t.data_type))
+        zero = int(numpy_helper.to_array(zero_t))
+        return (info.min - zero) * scale, (info.max - zero) * scale
+
+    out = []
+    for n in model.graph.node:
+        if n.op_type == "Log":
+            for q in consumers.get(n.output[0], []):
+                if q.op_type == "QuantizeLinear":
+                    lo, hi = grid(q)
+                    if hi - lo < HTP_LOG_MIN_SPAN * (1 - 1e-6):
+                        out.append(f"Log {n.name}: output encoding [{lo:.4g}, {hi:.4g}] spans less than "
+                                   f"{HTP_LOG_MIN_SPAN}")
+        elif n.op_type == "Reciprocal":
+            dq = producer.get(n.input[0])
+            if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] not in inits:
+                lo, hi = grid(dq)
+                if hi < HTP_RECIPROCAL_MIN_TOP * (1 - 1e-6):
+                    out.append(f"Reciprocal {n.name}: input encoding tops out at {hi:.4g} < {HTP_RECIPROCAL_MIN_TOP}")
+    return out
+
+
 def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]], *, overrides: dict,
                    method: str, percentile: float, activation_bits: int) -> Path:
     """ORT QDQ quantization of `prepared` (a model file with external data) into `out`."""
@@ -237,10 +305,8 @@ def encodings(model: onnx.ModelProto, weight_bits: dict[str, int]) -> dict:
     return {"version": "1.0.0", "activation_encodings": acts, "param_encodings": params}
 
 
-def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
-    """Every integer weight feeding a DequantizeLinear: name -> (ints as [out, in] int8, scale bytes, axis)."""
-    from hyco.calibrate.prepare import _int_array
-
+def _weight_refs(model: onnx.ModelProto) -> dict[str, tuple[onnx.TensorProto, onnx.TensorProto, int]]:
+    """Every integer weight feeding a DequantizeLinear: name -> (ints, scale, axis), not unpacked."""
     inits = _inits(model)
     out = {}
     for node in model.graph.node:
@@ -250,20 +316,37 @@ def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str,
         if ints_t.data_type not in (TensorProto.INT4, TensorProto.INT8):
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        values = _int_array(ints_t)
-        if values.ndim == 2 and axis == 1:
-            values = values.T
-        scale = numpy_helper.to_array(inits[node.input[1]]).reshape(-1).astype(np.float32)
-        out[node.input[0].removesuffix("_t")] = (values, scale.view(np.uint32), axis)
+        out[node.input[0].removesuffix("_t")] = (ints_t, inits[node.input[1]], axis)
     return out
 
 
+def _unpack_weight(ints_t: onnx.TensorProto, scale_t: onnx.TensorProto, axis: int) -> tuple[np.ndarray, np.ndarray, int]:
+    from hyco.calibrate.prepare import _int_array
+
+    values = _int_array(ints_t)
+    if values.ndim == 2 and axis == 1:
+        values = values.T
+    scale = numpy_helper.to_array(scale_t).reshape(-1).astype(np.float32)
+    return values, scale.view(np.uint32), axis
+
+
+def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """Every integer weight feeding a DequantizeLinear: name -> (ints as [out, in] int8, scale bytes, axis)."""
+    return {name: _unpack_weight(*ref) for name, ref in _weight_refs(model).items()}
+
+
 def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto) -> dict:
-    """Every source weight's ints and scales equal in the QDQ graph (bit for bit)."""
-    a, b = weight_ints(source), weight_ints(quantized)
+    """Every source weight's ints and scales equal in the QDQ graph (bit for bit). One weight
+    unpacked at a time (all of them unpacked at once is twice each graph's INT4 bytes)."""
+    a, b = _weight_refs(source), _weight_refs(quantized)
     rows = {}
-    for name, (ints, scale, _) in a.items():
+    for name, ref in a.items():
         other = b.get(name)
-        rows[name] = bool(other is not None and np.array_equal(ints, other[0]) and np.array_equal(scale, other[1]))
+        if other is None:
+            rows[name] = False
+            continue
+        ints, scale, _ = _unpack_weight(*ref)
+        o_ints, o_scale, _ = _unpack_weight(*other)
+        rows[name] = bool(np.array_equal(ints, o_ints) and np.array_equal(scale, o_scale))
     return {"weights": len(a), "equal": sum(rows.values()), "all_equal": bool(rows) and all(rows.values()),
             "missing_or_different": sorted(k for k, v in rows.items() if not v)[:10]}

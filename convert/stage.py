@@ -237,16 +237,19 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     nothing moves into place), unless `allow_parity_failure`: then the summary carries
     `proof_failed` and run_stage marks the manifest.
 
-    Memory (bench/bench_convert.py, hidden 1536, 6 layers, 127 MiB packed, 307 MiB of ints
-    unpacked to int8): transformers' packed model is released layer by layer into the static
-    module, whose int8 ints are then the only full copy of the weights. The peak is while the
-    graphs are traced: the static module's ints (1x the int8 size) + one linear's float
-    transient (the traced matmul expands the weight's zero-stride stand-in) + the set-up before
-    loading (completeness model on meta, LUTs: ~0.8x here). The exporter serializes no weight and
-    `finalize` writes one tensor at a time, so neither adds a copy. Measured: 824 MiB over a bare
-    `import torch, transformers, onnx` with glibc's mmap threshold at 128 KiB (2.7x the int8
-    size; 5.4x before this design), 1197 MiB with the default allocator, whose free heap RSS
-    still counts."""
+    Memory: the weights are held once, packed as the checkpoint stores them. from_pretrained
+    maps the safetensors (file pages, resident as they are read), the embedding tables are
+    copied to luts/ file to file, and build_static_model hands each layer's packed tensors to the
+    static module (IntLinear.packed, no copy) and drops transformers' layer. The tracer sees
+    zero-stride int stand-ins and records no weight, and torch's ONNX shape inference is kept
+    from copying them (export_onnx.shape_inference_without); finalize writes one initializer at
+    a time from the packed bytes; bitexact reads both sides through memory maps in row blocks.
+    The transients on top: the trace's float activations (prefill rows x head rows), finalize's
+    largest initializer twice (its INT4 bytes and the proto's copy), bitexact's 16 M-value blocks.
+    Measured: 4 E2B-width layers, 65,536 rows, 190 MiB packed: 1.5x the packed bytes above the
+    imports (tests/test_convert_memory.py; 3.3x if the linears were also held as int8). Full E2B
+    shapes (1.66 GB packed, 86,089-row head, bench/bench_fullsize.py): 1,714 MiB peak RSS, 96 s
+    on the 2-core machine at load ~2.5-5 (1,903 MiB and 188 s before the shape-inference fix)."""
     import torch
     from hyco.convert.host import Rope
     from hyco.convert.load import completeness, kv_cache_scales, load_model, read_checkpoint, text_config

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from hyco.recipe import ExportConfig, to_dict
@@ -22,9 +23,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "LUTs, keep set, rope spec, io_spec, encodings, tokenizer, bundle.json with sha256 per file and the I/O read "
         "back from each binary), report.json and summary.md. With --hub: compile and profile on a qai-hub device.")
     p.add_argument("--calibrate", required=True, help="calibrate stage output (tree/prefill/mtp_step .qdq.onnx)")
-    p.add_argument("--convert", required=True, help="convert stage output (luts/, rope.json, encodings.json)")
-    p.add_argument("--qat", required=True, help="qat stage output (embed_lut.safetensors, encodings.json)")
-    p.add_argument("--vocab", required=True, help="vocab stage output (keep set, reserved prompts)")
+    # the bundle's other pieces; --hub uploads calibrate's graphs only, so they are refused there
+    p.add_argument("--convert", help="convert stage output (luts/, rope.json, encodings.json); not with --hub")
+    p.add_argument("--qat", help="qat stage output (embed_lut.safetensors, encodings.json); not with --hub")
+    p.add_argument("--vocab", help="vocab stage output (keep set, reserved prompts); not with --hub")
     p.add_argument("--tokenizer", help="tokenizer folder to ship in the bundle")
     p.add_argument("--verifier", help="reference verifier checkpoint: recorded in bundle.json for `smoke`, and "
                    "the stage ends with a smoke run when given")
@@ -34,6 +36,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context-bytes", type=int, default=_DEFAULT.max_context_bytes,
                    help="split a graph whose weights exceed this into layer-range contexts")
     p.add_argument("--smoke-prompts", type=int, default=_DEFAULT.smoke_prompts, help="smoke run prompts (0: none)")
+    p.add_argument("--smoke-rounds", type=int, default=_DEFAULT.smoke_rounds, help="smoke run rounds per prompt")
+    p.add_argument("--allow-parity-failure", action="store_true",
+                   help="keep the bundle although its smoke run disagreed (manifest marked, warning)")
     p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token)")
     p.add_argument("--device", default=_DEFAULT.device, help="qai-hub device name")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
@@ -50,7 +55,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts from the bundle's prompts.jsonl")
     s.add_argument("--rounds", type=int, default=3, metavar="R", help="drafting rounds per prompt")
     s.add_argument("--tolerance", type=float, default=_DEFAULT.logprob_tolerance,
-                   help="max |log-prob| difference HTP vs CPU")
+                   help="max |log-prob| difference HTP vs CPU, one number for every graph (default: each graph's "
+                   "own bound from calibrate, htp_logprob_bound in the bundle's io_spec.json)")
     s.add_argument("--no-isolate", action="store_true",
                    help="run every context in this process (HTP results were seen to leak between sessions)")
     s.add_argument("--out", help="report folder (default: BUNDLE/../smoke)")
@@ -65,15 +71,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     try:
         config = dataclasses.replace(_DEFAULT, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
-                                     max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts)
+                                     max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts,
+                                     smoke_rounds=args.smoke_rounds)
     except ValueError as e:
         raise HycoError(str(e)) from None
+    bundle_only = [f"--{k}" for k in ("convert", "qat", "vocab", "tokenizer", "verifier") if getattr(args, k)]
     if args.hub:
         from hyco.export.hub import hub_export
 
+        if bundle_only:  # ignoring them would let the user think the hub jobs read them
+            raise HycoError(f"export --hub reads only --calibrate (qai-hub compiles and profiles its QDQ graphs); "
+                            f"{', '.join(bundle_only)} would not be used: drop them")
         result = hub_export(calibrate=Path(args.calibrate), out=Path(args.out), config=config)
         print(f"wrote {args.out}/hub.json: {len(result['jobs'])} qai-hub jobs on {config.device!r}")
         return 0
+    allow = args.allow_parity_failure
+    missing = [f"--{k}" for k in ("convert", "qat", "vocab") if not getattr(args, k)]
+    if missing:
+        raise HycoError(f"export needs {', '.join(missing)} (the bundle ships their LUTs, rope spec, encodings and "
+                        "keep set); only `export --hub` runs on --calibrate alone")
     paths = {k: Path(getattr(args, k)) for k in ("calibrate", "convert", "qat", "vocab")}
     inputs = dict(paths)
     for k in ("tokenizer", "verifier"):
@@ -81,10 +97,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
             inputs[k] = Path(getattr(args, k))
     manifest = run_stage("export", Path(args.out), {"export": to_dict(config)}, inputs,
                          lambda tmp: export(**paths, out=tmp, config=config, tokenizer=inputs.get("tokenizer"),
-                                            verifier=inputs.get("verifier")), force=args.force)
+                                            verifier=inputs.get("verifier"), allow_parity_failure=allow),
+                         force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     sizes = ", ".join(f"{k} {v:,} B" for k, v in s["binaries"].items())
-    print(f"wrote {args.out}/bundle ({stage_state(manifest)}): {sizes}; smoke passed: {s['smoke_passed']}")
+    smoke = {True: "smoke passed", False: "smoke FAILED", None: "no smoke run (it needs --verifier and --smoke-prompts "
+             "> 0)"}[s["smoke_passed"]]
+    print(f"wrote {args.out}/bundle ({stage_state(manifest)}): {sizes}; {smoke}")
+    if manifest.get("proof_failed"):
+        print(f"WARNING: proof failed, bundle kept (--allow-parity-failure) and manifest marked: "
+              f"{manifest['proof_failed']}", file=sys.stderr)
     print(f"next: hyco-convert smoke {args.out}/bundle")
     return 0
 

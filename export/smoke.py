@@ -7,10 +7,22 @@ binary stops the test with one line naming the file. Then, per prompt, R rounds 
 HyCo drafting (MTP chain + one SLM pass) against the verifier, twice:
 - the HTP run: every graph pass runs on the HTP and, on the very same feeds, on CPU; the pass
   agrees when its top-k ids are equal (an id swap counts only as a tie when the two tokens' CPU
-  log-probs are within the tolerance) and its sorted top-k log-probs are within the tolerance;
-- the CPU run: the same rounds with both drafters on CPU; every round must commit the same
-  tokens as the HTP run (greedy exact verification commits the verifier's greedy text, so this
-  checks that the drafts were accepted to the same length).
+  log-probs are within the bound) and its sorted top-k log-probs are within the bound. The bound
+  is per graph, from the bundle's io_spec (`htp_logprob_bound`, written by calibrate): the QDQ
+  graph's own top-k log-prob error vs its float graph on the eval prompts. The HTP and
+  onnxruntime are two integer implementations of the same 16-bit grid that round differently
+  in every op (one op at a time from the HTP's own inputs: elementwise ops <= 8 output codes,
+  MatMuls and the RMSNorms' Sqrt/Reciprocal up to ~80), so their difference is of the
+  size of the quantization noise itself (the final norm's output: 1.9% apart on the distilled
+  tree graph, where 16-bit quantization costs 1.8% at the worst layer, 35 dB); a kernel that
+  computes wrong numbers (the Log trap: 2 nats) lands far outside it.
+  `--tolerance` replaces it with one number for every graph;
+- the CPU run: the same rounds with both drafters on CPU (`compare_commits`). Greedy exact
+  verification commits the verifier's greedy text whatever the drafts, so the two runs' committed
+  streams must agree token for token over their common length. A round may accept a different
+  number of drafts only where its passes swapped two tokens within the bound (a tie: the drafts
+  then legitimately differ); such a round is counted and reported, and from it on the two runs
+  stand at different positions, so rounds are compared as streams, not one by one.
 The simulator's pass times are reported as simulation, not as phone speed.
 """
 
@@ -29,13 +41,18 @@ TOPK_OUTPUTS = (("topk_logprobs", "topk_indices"), ("topk_logprobs", "topk_ids")
 
 
 class PassLog:
-    """Per graph role: every pass's HTP-vs-CPU comparison on identical feeds."""
+    """Per graph role: every pass's HTP-vs-CPU comparison on identical feeds. `tolerance`: one
+    bound for every graph, or a bound per graph role."""
 
-    def __init__(self, tolerance: float):
+    def __init__(self, tolerance: float | dict[str, float]):
         self.tolerance = tolerance
         self.rows: list[dict[str, Any]] = []
 
+    def bound(self, role: str) -> float:
+        return self.tolerance[role] if isinstance(self.tolerance, dict) else self.tolerance
+
     def record(self, role: str, names, htp, cpu) -> None:
+        bound = self.bound(role)
         a, b = dict(zip(names, htp, strict=True)), dict(zip(names, cpu, strict=True))
         lp_name, id_name = next(p for p in TOPK_OUTPUTS if p[0] in a and p[1] in a)
         ids_h, ids_c = np.asarray(a[id_name]), np.asarray(b[id_name])
@@ -46,18 +63,19 @@ class PassLog:
             for j in np.flatnonzero(ids_h[r] != ids_c[r]):
                 # the HTP's token at rank j: its CPU log-prob (at most the k-th if outside CPU's top-k)
                 other = cpu_lp.get(int(ids_h[r, j]), lp_c[r, -1])
-                if abs(lp_c[r, j] - other) <= self.tolerance:
+                if abs(lp_c[r, j] - other) <= bound:
                     ties += 1
                 else:
                     mismatches += 1
         kv = [float(np.abs(a[n].astype(np.float64) - b[n]).max()) for n in names if n.startswith("new_")]
         self.rows.append({"role": role, "rows": int(ids_c.shape[0]), "id_mismatches": mismatches, "tie_swaps": ties,
-                          "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()),
+                          "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()), "bound": bound,
+                          "ids_equal_rows": int((ids_h == ids_c).all(-1).sum()),
                           "max_logprob_diff": float(np.abs(lp_h - lp_c).max()),
                           "max_kv_diff": max(kv) if kv else None})
 
     def ok(self, row: dict[str, Any]) -> bool:
-        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= self.tolerance
+        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= row["bound"]
 
 
 class ComparingSession:
@@ -102,8 +120,40 @@ def run_rounds(prompt: list[int], verifier, drafter, rounds: int, marks: list[in
     return committed
 
 
-def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tolerance: float, isolate: bool = True,
-          out: Path | None = None) -> dict[str, Any]:
+def compare_commits(htp: list[list[int]], cpu: list[list[int]], tie_swaps: list[int]) -> list[dict[str, Any]]:
+    """Per round of one prompt: both runs' commits, whether they are equal, whether the committed
+    streams so far agree over their common length (`stream_agrees`), and whether a difference is
+    explained by a tie swap in that round's passes (`explained`). A round is `ok` when the
+    streams agree and its commits are equal or explained."""
+    rows, stream_h, stream_c = [], [], []
+    for r, (h, c) in enumerate(zip(htp, cpu, strict=True)):
+        stream_h += h
+        stream_c += c
+        n = min(len(stream_h), len(stream_c))
+        same, agrees = h == c, stream_h[:n] == stream_c[:n]
+        explained = same or tie_swaps[r] > 0
+        rows.append({"htp_committed": h, "cpu_committed": c, "same_commit": same, "stream_agrees": agrees,
+                     "tie_swaps": tie_swaps[r], "explained": explained, "ok": agrees and explained})
+    return rows
+
+
+def graph_bounds(bundle: Path, specs: dict) -> dict[str, float]:
+    """Per graph role, the bound calibrate wrote into io_spec (meta `htp_logprob_bound`: the QDQ
+    graph's own top-k log-prob error vs its float graph on the eval prompts)."""
+    bounds = {}
+    for key, spec in specs.items():
+        value = spec.meta.get("htp_logprob_bound")
+        if value is None:
+            raise HycoError(f"{bundle / 'io_spec.json'}: graph {key} has no htp_logprob_bound (calibrated before the "
+                            "bound was recorded); pass --tolerance or re-run calibrate")
+        bounds[key.split(".")[0]] = float(value)
+    return bounds
+
+
+def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tolerance: float | None = None,
+          isolate: bool = True, out: Path | None = None) -> dict[str, Any]:
+    """`tolerance` None: each graph is held to its own bound from the bundle's io_spec
+    (`graph_bounds`); a number: that bound for every graph."""
     from hyco.export.bundle import verify_bundle
     from hyco.runtime_check.check import load_model, load_prompts
     from hyco.runtime_check.configs import decode_config
@@ -140,7 +190,9 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
     cfg = decode_config("hyco-exact", CheckConfig(temperature=0.0))
     sampling = Sampling(temperature=0.0)
     htp, cpu = BundleSessions(bundle, backend="qnn", isolate=isolate), BundleSessions(bundle, backend="cpu", isolate=False)
-    log = PassLog(tolerance)
+    graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
+        (k.split(".")[0] for k in specs), float(tolerance))
+    log = PassLog(graph_bound)
     results = []
     try:
         for i, prompt in enumerate(prompt_ids):
@@ -159,17 +211,17 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
                 runs[name] = run_rounds(prompt, verifier_run, drafter(), rounds, marks, log if name == "htp" else None)
                 if name == "htp":
                     bounds = marks + [len(log.rows)]
-            for r in range(rounds):
-                passes = log.rows[bounds[r]:bounds[r + 1]]
+            per_round = [log.rows[bounds[r]:bounds[r + 1]] for r in range(rounds)]
+            commits = compare_commits(runs["htp"], runs["cpu"], [sum(p["tie_swaps"] for p in ps) for ps in per_round])
+            for r, (passes, commit) in enumerate(zip(per_round, commits, strict=True)):
                 results.append({"prompt": i, "round": r, "passes": len(passes),
-                                "passes_agree": all(log.ok(p) for p in passes),
-                                "htp_committed": runs["htp"][r], "cpu_committed": runs["cpu"][r],
-                                "same_commit": runs["htp"][r] == runs["cpu"][r]})
+                                "passes_agree": all(log.ok(p) for p in passes), **commit})
         timings = {"htp (simulation, not phone speed)": htp.timings(), "cpu (onnxruntime, QDQ)": cpu.timings()}
     finally:
         htp.close()
     bad_passes = [p for p in log.rows if not log.ok(p)]
-    passed = not bad_passes and all(r["same_commit"] and r["passes_agree"] for r in results)
+    passed = not bad_passes and all(r["ok"] and r["passes_agree"] for r in results)
+    diverged = sum(not r["same_commit"] for r in results)
     by_role = {}
     for role in sorted({p["role"] for p in log.rows}):
         rows = [p for p in log.rows if p["role"] == role]
@@ -178,13 +230,16 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
                          "tie_swaps": sum(p["tie_swaps"] for p in rows),
                          "top1_equal": sum(p["top1_equal"] for p in rows),
                          "max_logprob_diff": round(max(p["max_logprob_diff"] for p in rows), 5),
+                         "bound": round(graph_bound[role], 5),
                          "max_kv_diff": round(max((p["max_kv_diff"] or 0.0) for p in rows), 5)}
     headline = (f"smoke {'PASSED' if passed else 'FAILED'}: {len(prompt_ids)} prompts x {rounds} rounds, "
                 f"{len(log.rows)} graph passes on the QNN HTP simulator vs onnxruntime CPU, "
-                f"{len(bad_passes)} disagreeing (tolerance {tolerance}), "
-                f"{sum(not r['same_commit'] for r in results)} rounds with other committed tokens")
+                f"{len(bad_passes)} disagreeing (log-prob bound per graph {graph_bound}), "
+                f"committed streams {'agree' if all(r['stream_agrees'] for r in results) else 'DIFFER'}, "
+                f"{diverged} rounds accepting another number of drafts "
+                f"({sum(not r['same_commit'] and r['explained'] for r in results)} through a tie swap)")
     report = {"passed": passed, "headline": headline, "bundle": str(bundle), "verifier": str(verifier),
-              "soc_model": meta["soc_model"], "tolerance": tolerance, "isolate": isolate,
+              "soc_model": meta["soc_model"], "tolerance": tolerance, "bounds": graph_bound, "isolate": isolate,
               "isolation_note": "each HTP context in its own worker process (results were seen to leak between "
                                 "HTP sessions in one process)" if isolate else "all contexts in one process",
               "by_graph": by_role, "rounds": results, "timings": timings, "passes": log.rows,
@@ -192,7 +247,12 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
     md = f"## smoke on `{bundle}`\n\n{headline}.\n\n"
     md += markdown_table([{"graph": k, **v} for k, v in by_role.items()],
                          ["graph", "passes", "rows", "id_mismatches", "tie_swaps", "top1_equal", "max_logprob_diff",
-                          "max_kv_diff"])
+                          "bound", "max_kv_diff"])
+    md += "\nRounds (tokens each run committed; a different count needs a tie swap in that round):\n\n"
+    md += markdown_table([{**r, "htp_committed": len(r["htp_committed"]), "cpu_committed": len(r["cpu_committed"])}
+                          for r in results],
+                         ["prompt", "round", "passes", "passes_agree", "htp_committed", "cpu_committed", "tie_swaps",
+                          "stream_agrees", "ok"])
     md += "\nTimes (the HTP figures are the x86 simulator's, not phone speed):\n\n"
     md += markdown_table([{"backend": b, "graph": g, **v} for b, t in timings.items() for g, v in t.items()],
                          ["backend", "graph", "load_s", "passes", "pass_s_mean", "pass_s_max"])

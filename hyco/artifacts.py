@@ -184,7 +184,8 @@ def adopt_finished(out: Path, key: Mapping[str, str]) -> bool:
 # --- byte-identical reruns ------------------------------------------------------------------------
 
 # JSON keys that hold a measurement of this run (time, memory), by naming convention; numbers only.
-_MEASURED_KEY = re.compile(r"(_s|_mb|(^|_)m?s_per_[a-z]+)$")
+# Snake-case identifiers only: a tokenizer's vocabulary maps token strings such as "_s" to ids.
+_MEASURED_KEY = re.compile(r"^[a-z][a-z0-9_]*(_s|_mb|_m?s_per_[a-z]+)$|^m?s_per_[a-z]+$")
 
 
 _declared: dict[str, dict[str, Any]] | None = None  # the stage run_stage is building now

@@ -11,6 +11,7 @@ head_w4.safetensors, encodings.json, mtp_step.onnx (+ the float twin), embed_lut
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,12 @@ def load_model(path: Path, what: str, dtype: torch.dtype, device_map=None):
     return load_pretrained(path, what, dtype=dtype, device_map=device_map).eval()
 
 
-def check_pair(verifier, head, tokenizer, verifier_dir: Path, assistant_dir: Path) -> None:
-    v_cfg, h_cfg = verifier.config.get_text_config(), head.config
-    if type(head).__name__ != "Gemma4AssistantForCausalLM":
-        raise HycoError(f"{assistant_dir}: expected a gemma4_assistant head, but got {type(head).__name__}")
+def check_pair(v_cfg, h_cfg, tokenizer, verifier_dir: Path, assistant_dir: Path) -> None:
+    """The verifier / head pair from their configs (before the head's weights are read)."""
+    v_cfg = v_cfg.get_text_config()
+    if getattr(h_cfg, "model_type", None) != "gemma4_assistant":
+        raise HycoError(f"{assistant_dir}: expected a gemma4_assistant head, but got model_type "
+                        f"{getattr(h_cfg, 'model_type', None)!r}")
     from hyco.qat.mtp import require_plain_output_layer
 
     require_plain_output_layer(h_cfg, str(assistant_dir))
@@ -123,12 +126,12 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
 
     from hyco.loading import load_config
 
-    require_plain_output_layer(load_config(assistant, "assistant"), str(assistant))  # before any weight is read
+    h_cfg = load_config(assistant, "assistant")
+    require_plain_output_layer(h_cfg, str(assistant))  # before any weight is read
     ver = load_model(verifier, "verifier", v_dtype, "auto" if device.type == "cuda" else None)
-    head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
-    check_pair(ver, head, tok, Path(verifier), Path(assistant))
+    check_pair(ver.config, h_cfg, tok, Path(verifier), Path(assistant))
     keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
-    sliding_window = head.config.get_text_config().sliding_window
+    sliding_window = h_cfg.get_text_config().sliding_window
 
     # 1. answers (hyco/answers.py: answers.jsonl + answers.json, also read by calibrate) and captures
     answers_cfg = answers or AnswersConfig()
@@ -140,6 +143,12 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         raise HycoError("every train or every eval answer came back empty; nothing to train or evaluate on")
     write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
     kv_shapes = {layer: (k.shape[0], k.shape[-1]) for layer, (k, _) in train[0].kv.items()}
+    # The verifier's work is done (answers, captures, LUT): free it before the head and its
+    # students load, so the two models' weights are never in memory together (issue 13: the
+    # shallow 2,816-wide stand-in is 4.3 GB in fp32, its tied 262,144-row table 2.95 GB of it).
+    del ver
+    gc.collect()
+    head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
 
     # 2. students: W8 PTQ, W4 PTQ (clip search only), W4 QAT
     teacher = TeacherForcedHead(head, keep_ids).eval()
@@ -249,6 +258,7 @@ def write_drafter(out: Path, head, teacher, sim, keep, kv_shapes, ranges, config
     teacher_linears = dict(teacher.named_modules())
     step = MtpStep(head.cpu(), {n: teacher_linears[n].weight.detach().cpu() for n in linears}, config.topk).eval()
     export_float(step, spec, out / "mtp_step.float.onnx")
+    del step  # its transposed float weights (0.8 GB at the 26B-A4B assistant's size)
     int_np = {n: (v.cpu().numpy(), s.cpu().numpy()) for n, (v, s) in ints.items()}
     ranges = {**ranges, **fixed_input_ranges(spec, config.mask_negative)}  # every float input gets QDQ
     quantize_graph(out / "mtp_step.float.onnx", out / "mtp_step.onnx", int_np, ranges)
@@ -329,6 +339,7 @@ def graph_parity(out: Path, head, sim, keep_ids, cap, spec, config: QatConfig, p
         quant_top1 += int(q_ids[0, 0] == int(s_lp.argmax()))
         weights_top1 += int(q_ids[0, 0] == int(w_lp.argmax()))
     n = len(ts)
+    del float_sess, quant_sess  # one graph's weights in memory at a time: the proof opens its own
     proof = step_graph_proof(out, head, sim, proof_feeds, config.topk)
     float_ok = float_diff <= STEP_TOLERANCE and float_top1 == n
     failure = proof["failure"] or (None if float_ok else

@@ -218,7 +218,7 @@ def export_float(step: MtpStep, spec: GraphSpec, path: Path) -> Path:
     torch.onnx.export(step, example, str(path), input_names=[t.name for t in spec.inputs],
                       output_names=[t.name for t in spec.outputs], opset_version=OPSET, dynamo=False,
                       do_constant_folding=False)  # folding would turn the weights' graph back into floats
-    onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    onnx.checker.check_model(str(path), full_check=True)  # from the file: no second copy of the weights
     return path
 
 
@@ -286,8 +286,9 @@ def quantize_graph(float_path: Path, out_path: Path, int_weights: dict[str, tupl
     rest = list(graph.node)
     del graph.node[:]
     graph.node.extend(nodes + rest)
-    onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(out_path))
+    del model, graph, inits
+    onnx.checker.check_model(str(out_path), full_check=True)  # from the file: no serialized copy in memory
     return out_path
 
 

@@ -78,3 +78,32 @@ def tiny_export(tiny_calibrated, tiny_family, tmp_path_factory):
                      tokenizer=tiny_family["tokenizer"], verifier=tiny_family["verifier"],
                      config=ExportConfig(smoke_prompts=0))
     return out / "bundle", summary
+
+
+@pytest.fixture(scope="session")
+def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
+    """vocab, convert (parity off), qat (2 steps), calibrate (WITH the HTP check: acceptance and
+    simulator vs CPU on 1 pass per graph) and export (soc 87, no smoke) on the DISTILLED tiny
+    family, CI-sized: (run folder, bundle folder). The smoke and simulator-agreement tests use it:
+    its drafters are peaked like trained ones, where the undistilled family's near-flat rows make
+    near-ties of most top-k entries."""
+    from hyco.export.stage import export
+
+    from hyco.pipeline import run_recipe
+    from hyco.recipe import ExportConfig, load_recipe
+
+    run_dir = tmp_path_factory.mktemp("distilled")
+    models = [f"models.{k}={v}" for k, v in tiny_family_distilled.items()]
+    small = ["stages=[vocab,convert,qat,calibrate]", "convert.parity=false",
+             "vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
+             "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16",
+             "qat.max_new_tokens_eval=12", "calibrate.prompts=2", "calibrate.eval_prompts=2",
+             "calibrate.max_new_tokens=16", "calibrate.htp_check=true", "calibrate.simulator_passes=1",
+             "calibrate.sqnr_passes=2"]
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml", [*models, *small])
+    run_recipe(recipe, run_dir, log=lambda *a: None)
+    out = run_dir / "export"
+    export(calibrate=run_dir / "calibrate", convert=run_dir / "convert", qat=run_dir / "qat", vocab=run_dir / "vocab",
+           out=out, tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],
+           config=ExportConfig(smoke_prompts=0))
+    return run_dir, out / "bundle"

@@ -29,6 +29,7 @@ SMALL = [
     "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
     "calibrate.prompts=2", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=12", "calibrate.max_passes=8",
     "calibrate.sqnr_passes=2", "calibrate.simulator_passes=1",
+    "export.smoke_prompts=0",  # the smoke run is tests/test_smoke.py's (minutes on the HTP simulator)
     "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
 ]
 RUN_LOGS = ("run_report.json", "run_summary.md")

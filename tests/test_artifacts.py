@@ -180,6 +180,7 @@ def test_manifest_names_nondeterministic_outputs_and_why(tmp_path):
         declare_nondeterministic("summary.md", "prints the wall time")
         (tmp / "sim.json").write_text(json.dumps({"sim": {"diff": 0.1}, "sim_s": 2.0}))
         declare_nondeterministic("sim.json", "the simulator varies", ignore_pointers=["/sim/diff"])
+        (tmp / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"_s": 17, "▁the": 5}}}))  # ids, not times
         return {}
 
     m = run_stage("s", tmp_path / "stage", {"a": 1}, {}, build)
@@ -192,7 +193,6 @@ def test_manifest_names_nondeterministic_outputs_and_why(tmp_path):
     declare_nondeterministic("x", "outside a stage: ignored")
     m2 = run_stage("s", tmp_path / "other", {"a": 1}, {}, _build({"x.txt": "hi"}))
     assert "nondeterministic" not in m2
-
 
 
 def test_peak_rss_of_a_child_is_its_own_not_its_parents():

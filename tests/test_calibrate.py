@@ -189,6 +189,31 @@ def test_matmul_second_input_uint8_makes_the_cpu_compute_16x8(tmp_path):
     assert len(matmul_second_input_uint8(weight).graph.node) == len(weight.graph.node)
 
 
+@pytest.mark.slow
+def test_matmul_second_input_uint8_changes_nothing_on_the_htp_and_makes_cpu_agree(tmp_path):
+    """What the pass claims, on the simulator: the HTP computes the same before and after it (it
+    only writes down the conversion onnxruntime-qnn inserts anyway), and after it the CPU EP
+    computes what the HTP computes (to 2 output codes); before it the two were apart."""
+    from hyco.calibrate import htp
+    from hyco.calibrate.quantize import matmul_second_input_uint8
+
+    if reason := htp.qnn_available():
+        pytest.skip(reason)
+    feeds = _matmul_feeds(rows=16)
+    step = 24.0 / 65535
+    out = {}
+    for case, model in (("before", _qdq_matmul(rows=16)), ("after", matmul_second_input_uint8(_qdq_matmul(rows=16)))):
+        (tmp_path / case).mkdir()
+        prepare.save(model, tmp_path / case / "m.onnx", check=False)
+        name = model.graph.output[0].name
+        out[case] = (ort_session(tmp_path / case / "m.onnx").run([name], feeds)[0],
+                     _htp_outputs(tmp_path / case / "m.onnx", feeds, tmp_path / case)[name])
+    (cpu_before, htp_before), (cpu_after, htp_after) = out["before"], out["after"]
+    assert np.abs(htp_before - htp_after).max() <= 1.01 * step
+    assert np.abs(cpu_after - htp_after).max() <= 2.01 * step
+    assert np.abs(cpu_before - htp_before).max() >= 5 * step
+
+
 def test_srq_requant_is_exact_on_every_code():
     """An int8 code c requantized to uint16 with scale s/256, zero point 32768 gives back c * s
     exactly, for all 256 codes (what makes the SRQ rewrite lossless)."""
@@ -292,6 +317,11 @@ def test_stage_outputs(tiny_calibrated):
         assert spec.meta["mask_negative"] == r["mask_margin"]["mask_negative"]
         assert 0.0 <= r["top1_agreement"] <= 1.0 and r["kl"] >= 0 and r["rows"] > 0
         assert r["sqnr_db"] and all(v > 0 for v in r["sqnr_db"].values())
+        assert r["htp_encoding_traps"] == [], (name, r["htp_encoding_traps"])
+        # the HTP-vs-CPU bound (also export's smoke bound) is the graph's own quantization error
+        fid = report["fidelity_details"]["graphs"][{"tree.qdq.onnx": "tree", "prefill.qdq.onnx": "prefill",
+                                                    "mtp_step.qdq.onnx": "mtp"}[name]]
+        assert spec.meta["htp_logprob_bound"] == r["htp_logprob_bound"] == fid["topk_logprob_error"] > 0
     # int2/int4 weights are recorded with their checkpoint width in INT4 containers
     params = [p for g in enc["graphs"].values() for p in g["param_encodings"]]
     assert params and all(p["bw"] <= p["container_bw"] for p in params)
@@ -323,6 +353,32 @@ def test_deployable_graph_equals_parity_twin(tiny_calibrated):
                                   a[t.name])
 
 
+def test_ring_16_bit_twin_holds_every_uint8_code_exactly(tiny_calibrated):
+    """Each uint8 ring input is converted to 16 bits on the grid every uint8 code lands on
+    exactly (scale / 256, zero point 256 x z): no ring value is clipped on the CPU EP that the
+    HTP (which converts the codes straight into its Concat) keeps."""
+    out = tiny_calibrated / "calibrate"
+    model = onnx.load(str(out / "tree.qdq.onnx"), load_external_data=False)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer
+             if t.data_location != onnx.TensorProto.EXTERNAL}  # the small ones: scales, zero points
+    consumers = {}
+    for n in model.graph.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+    rings = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
+    assert rings
+    codes = np.arange(256, dtype=np.float64)
+    for ring in rings:
+        dq = next(n for n in consumers[ring] if n.op_type == "DequantizeLinear")
+        q16 = next(n for n in consumers[dq.output[0]] if n.op_type == "QuantizeLinear")
+        s8, z8 = float(inits[dq.input[1]]), int(inits[dq.input[2]])
+        s16, z16 = float(inits[q16.input[1]]), inits[q16.input[2]]
+        assert z16.dtype == np.uint16, ring
+        values = (codes - z8) * np.float32(s8)
+        c16 = np.clip(np.round(values / s16) + int(z16), 0, 65535)
+        assert np.array_equal((c16 - int(z16)) * np.float32(s16), values), ring
+
+
 @pytest.mark.slow
 def test_htp_accepts_every_node_of_the_tiny_graphs(tiny_calibrated):
     """Every node of each deployable QDQ graph is assigned to QNN HTP (soc 87, CPU fallback
@@ -336,6 +392,137 @@ def test_htp_accepts_every_node_of_the_tiny_graphs(tiny_calibrated):
         result = htp.check_in_subprocess(tiny_calibrated / "calibrate" / name)
         assert result["accepted"], result
         assert result["cpu_nodes"] == 0 and result["per_ep"].get("QNNExecutionProvider", 0) >= result["nodes"], result
+
+
+def _log_sum_exp_graph(path: Path) -> None:
+    """x [33, 64] -> Log(ReduceSum(Exp(x))): the written-out log-softmax's denominator."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
+             helper.make_node("Log", ["s"], ["y"])]
+    graph = helper.make_graph(nodes, "lse", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [33, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [33, 1])],
+                              [numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+
+
+def _htp_outputs(graph: Path, feeds: dict, tmp: Path) -> dict:
+    """The graph's outputs on the QNN HTP simulator (soc 87, no CPU fallback), in a fresh process."""
+    np.savez(tmp / "feeds.npz", **feeds)
+    code = ("import sys, numpy as np; from pathlib import Path; from hyco.calibrate.htp import htp_session; "
+            "s = htp_session(Path(sys.argv[1])); f = dict(np.load(sys.argv[2])); names = [o.name for o in s.get_outputs()]; "
+            "np.savez(sys.argv[3], **dict(zip(names, s.run(names, f))))")
+    proc = subprocess.run([sys.executable, "-c", code, str(graph), str(tmp / "feeds.npz"), str(tmp / "out.npz")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return dict(np.load(tmp / "out.npz"))
+
+
+@pytest.mark.slow
+def test_htp_log_trap_and_the_range_override_that_avoids_it(tmp_path):
+    """Trap: on the soc-87 HTP a 16-bit Log whose output encoding spans less than 4.0 returns the
+    encoding's minimum for every element. log(sum exp) over 64 logits spanning 4 calibrates to
+    [0, ~3.6]: the HTP returns 0 everywhere (what put every log-prob of the distilled family's
+    rows 2 nats off the CPU EP). With `htp_range_overrides` (measured ranges -> quantizer
+    override) the encoding spans 4.0 and the HTP agrees with the CPU EP to 2 output codes;
+    `htp_encoding_violations` flags the first graph and passes the second."""
+    from hyco.calibrate import htp
+    from hyco.calibrate.quantize import (
+        HTP_LOG_MIN_SPAN,
+        htp_encoding_violations,
+        htp_range_overrides,
+        quantize_graph,
+    )
+
+    if reason := htp.qnn_available():
+        pytest.skip(reason)
+    src = tmp_path / "lse.onnx"
+    _log_sum_exp_graph(src)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(-4.0, 0.0, (33, 64)).astype(np.float32)} for _ in range(4)]
+    for f in feeds:
+        f["x"][:, 0] = 0.0  # the row max, as after the log-softmax's shift
+    exact = [np.log(np.exp(f["x"].astype(np.float64)).sum(-1, keepdims=True)) for f in feeds]
+    hi = max(float(e.max()) for e in exact)
+    assert hi < HTP_LOG_MIN_SPAN  # the calibrated encoding alone would fall into the trap
+    results = {}
+    for case in ("calibrated", "widened"):
+        overrides: dict = {}
+        widened = htp_range_overrides({"log_out": {"y": [float(min(e.min() for e in exact)), hi]}}, overrides) \
+            if case == "widened" else None
+        out = tmp_path / f"{case}.qdq.onnx"
+        quantize_graph(src, out, feeds, overrides=overrides, method="minmax", percentile=99.999, activation_bits=16)
+        model = onnx.load(str(out))
+        violations = htp_encoding_violations(model)
+        log_out = next(n.output[0] for n in model.graph.node if n.op_type == "Log")
+        scale = next(float(onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == n.input[1])))
+                     for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == log_out)
+        cpu = ort_session(out).run(["y"], feeds[0])[0]
+        folder = tmp_path / case
+        folder.mkdir()
+        results[case] = (violations, scale, cpu, _htp_outputs(out, feeds[0], folder)["y"], widened)
+    violations, scale, cpu, sim, _ = results["calibrated"]
+    assert len(violations) == 1 and "Log" in violations[0]
+    assert np.abs(cpu - exact[0]).max() <= 2 * scale  # the CPU EP is right on this grid
+    assert np.all(sim == sim.reshape(-1)[0]) and np.abs(sim - cpu).max() > 0.5  # the HTP: one value, far off
+    violations, scale, cpu, sim, widened = results["widened"]
+    assert widened == {"reciprocal_in": 0, "log_out": 1} and violations == []
+    assert scale * 65535 >= HTP_LOG_MIN_SPAN * (1 - 1e-6)
+    assert np.abs(sim - cpu).max() <= 2 * scale and np.abs(cpu - exact[0]).max() <= 2 * scale
+
+
+@pytest.mark.slow
+def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated, tmp_path):
+    """The stage's own HTP check (`stage.htp_checks`, each graph in its own process) on the
+    undistilled family's graphs, one recorded eval pass per graph: every node on QNN, top-k ids
+    equal up to swaps within the bound, log-probs within the bound (the graph's own top-k
+    log-prob error vs float, io_spec's `htp_logprob_bound`). The distilled family's run is
+    test_simulator_agrees_with_cpu_within_the_bound_distilled."""
+    from hyco.calibrate import evaluate, htp
+    from hyco.calibrate.stage import MTP_GRAPH, OUT_NAMES, check_inputs, htp_checks
+
+    from hyco.recipe import CalibrateConfig
+
+    if reason := htp.qnn_available():
+        pytest.skip(reason)
+    run = tiny_calibrated
+    out = run / "calibrate"
+    inputs = check_inputs(run / "convert", run / "qat", run / "vocab")
+    prepared, _ = prepare.prepare_mtp(onnx.load(str(run / "qat" / MTP_GRAPH)))
+    prepare.save(prepared, tmp_path / "mtp.prepared.onnx")
+    specs = {g: read_io_spec(out / "io_spec.json")[name] for g, name in OUT_NAMES.items()}
+    config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=1, mtp_positions=1, mtp_steps=2)
+    fidelity = evaluate.run_all(run / "convert", run / "qat", out, inputs, config, specs["tree"].meta["mask_negative"],
+                                specs["mtp"].meta["mask_negative"], tmp_path)
+    results = htp_checks(out, specs, fidelity["htp_feeds"], passes=1)
+    report = {}
+    for g, r in results.items():
+        s = r["simulator_vs_cpu"]
+        assert r["accepted"] and r["cpu_nodes"] == 0, (g, r)
+        assert s["bound"] == specs[g].meta["htp_logprob_bound"] > 0
+        assert s["within_bound"] and s["id_mismatches"] == 0, (g, s)
+        report[g] = (s["max_abs_logprob_diff"], s["bound"], s["top1_equal_rows"], s["rows"])
+    print("undistilled simulator vs CPU (max |dlogprob|, bound, top-1 equal, rows):", report)
+
+
+@pytest.mark.slow
+def test_simulator_agrees_with_cpu_within_the_bound_distilled(tiny_export_distilled):
+    """The stage's HTP check ran inside calibrate on the distilled family (peaked rows, as a trained
+    drafter's): every graph whole on QNN, simulator within the bound, no HTP encoding trap, the
+    stage's proofs passed; and the bound is tight enough to catch the Log trap (2 nats there)."""
+    from hyco.calibrate import htp
+
+    if reason := htp.qnn_available():
+        pytest.skip(reason)
+    run, _ = tiny_export_distilled
+    report = json.loads((run / "calibrate" / "report.json").read_text())
+    assert report["proof_failed"] is None
+    for name, r in report["graphs"].items():
+        s = r["htp"]["simulator_vs_cpu"]
+        assert r["htp_accepted"] and r["cpu_nodes"] == 0 and r["htp_encoding_traps"] == [], (name, r["htp"])
+        assert s["passes"] >= 1 and s["within_bound"] and s["id_mismatches"] == 0, (name, s)
+        assert s["max_abs_logprob_diff"] <= s["bound"] == r["htp_logprob_bound"] < 1.0, (name, s)
+    assert "within the bound" in (run / "calibrate" / "summary.md").read_text()
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -178,6 +178,52 @@ def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place(tiny_calibrated, tiny_family,
+                                                                                  tmp_path, monkeypatch, capsys):
+    """The stage ends with the smoke run on the bundle it just wrote; a disagreeing one is the
+    stage's failed proof: one line with the figures, exit 1, no OUT; --allow-parity-failure keeps
+    the bundle and the smoke report with the manifest marked. The smoke's verdict is stood in for
+    here (its comparison is tests/test_smoke.py's)."""
+    import hyco.export.smoke as smoke_module
+
+    from hyco.cli import main
+
+    calls = []
+
+    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out):
+        calls.append({"bundle_json": (bundle / "bundle.json").is_file(), "verifier": verifier, "prompts": prompts,
+                      "rounds": rounds, "tolerance": tolerance, "isolate": isolate, "out": out.name})
+        out.mkdir(parents=True)
+        (out / "report.json").write_text("{}")
+        (out / "summary.md").write_text("smoke\n")
+        return {"passed": False, "headline": "smoke FAILED: 1 prompts x 2 rounds", "summary_md": "## smoke\n",
+                "by_graph": {"tree": {"max_logprob_diff": 0.4, "bound": 0.1, "id_mismatches": 3}}}
+
+    monkeypatch.setattr(smoke_module, "smoke", failing_smoke)
+    args = ["export", *[x for k in ("calibrate", "convert", "qat", "vocab") for x in (f"--{k}", str(tiny_calibrated / k))],
+            "--tokenizer", str(tiny_family["tokenizer"]), "--verifier", str(tiny_family["verifier"]),
+            "--smoke-prompts", "1", "--smoke-rounds", "2"]
+    assert main([*args, "--out", str(tmp_path / "failed")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "proof failed: export: smoke FAILED: 1 prompts x 2 rounds (tree max |dlogprob| 0.4 " \
+        "(bound 0.1), 3 id mismatches)" in err[0], err
+    assert calls == [{"bundle_json": True, "verifier": Path(tiny_family["verifier"]), "prompts": 1, "rounds": 2,
+                      "tolerance": ExportConfig().logprob_tolerance, "isolate": True, "out": "smoke"}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no OUT, no temp folder
+
+    assert main([*args, "--out", str(tmp_path / "kept"), "--allow-parity-failure"]) == 0
+    assert "WARNING: proof failed, bundle kept" in capsys.readouterr().err
+    manifest = json.loads((tmp_path / "kept" / "manifest.json").read_text())
+    assert manifest["summary"]["smoke_passed"] is False and "smoke FAILED" in manifest["proof_failed"]
+    assert {"smoke/report.json", "smoke/summary.md", "bundle/bundle.json"} <= set(manifest["outputs"])
+    assert "Proof failed, bundle kept" in (tmp_path / "kept" / "summary.md").read_text()
+    # the smoke's files vary with the simulator: declared with the reason, report.json only there
+    declared = manifest["nondeterministic"]
+    assert "simulator" in declared["smoke/report.json"]["reason"]
+    assert {"/smoke", "/proof_failed"} <= set(declared["report.json"]["ignore_pointers"])
+
+
+@pytest.mark.slow
 def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(tiny_calibrated, tiny_family,
                                                                                 tmp_path):
     from hyco.export.bundle import verify_bundle

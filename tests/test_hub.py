@@ -130,11 +130,10 @@ def make_calibrate(folder: Path, recording: str) -> Path:
 
 
 def _export_hub(tmp_path, *extra):
+    """`export --hub` as a user types it: calibrate's folder is all it reads."""
     from hyco.cli import main
 
-    args = [x for k in ("convert", "qat", "vocab") for x in (f"--{k}", str(tmp_path))]
-    return main(["export", "--hub", "--calibrate", str(tmp_path / "calibrate"), *args, "--out", str(tmp_path / "hub"),
-                 *extra])
+    return main(["export", "--hub", "--calibrate", str(tmp_path / "calibrate"), "--out", str(tmp_path / "hub"), *extra])
 
 
 def test_compile_requests_carry_device_options_and_input_specs(tmp_path):
@@ -251,6 +250,28 @@ def test_an_out_folder_that_is_not_a_hub_output_is_refused_before_any_request(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not an earlier `export --hub` output" in err[0]
     assert (tmp_path / "hub" / "bundle").is_dir()
+
+
+def test_hub_refuses_the_bundle_inputs_and_the_offline_export_requires_them(tmp_path, no_token, monkeypatch,
+                                                                            capsys):
+    """--hub reads only --calibrate, so --convert/--qat/--vocab are not required there (the replayed
+    session above runs without them) and are refused rather than silently unused; the offline
+    export needs them, and says which are missing before any work."""
+    import requests
+
+    from hyco.cli import main
+
+    monkeypatch.setenv("QAI_HUB_API_TOKEN", "dummy")
+    monkeypatch.setattr(requests.adapters.HTTPAdapter, "send", lambda adapter, request, **kw: pytest.fail(request.url))
+    make_calibrate(tmp_path / "calibrate", "compile_profile.yaml")
+    assert _export_hub(tmp_path, "--qat", str(tmp_path), "--verifier", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "export --hub reads only --calibrate" in err[0] and "--qat, --verifier" in err[0]
+    assert main(["export", "--calibrate", str(tmp_path / "calibrate"), "--qat", str(tmp_path),
+                 "--out", str(tmp_path / "offline")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "export needs --convert, --vocab" in err[0]
+    assert not (tmp_path / "hub").exists() and not (tmp_path / "offline").exists()
 
 
 def test_token_from_the_environment_first_then_the_client_config(tmp_path, no_token, monkeypatch):

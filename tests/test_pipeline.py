@@ -9,14 +9,17 @@ import pytest
 from hyco.cli import main
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
-STAGES = ["fixtures", "vocab", "convert", "qat", "calibrate", "check"]  # the tiny recipe's, in order
+STAGES = ["fixtures", "vocab", "convert", "qat", "calibrate", "export", "check"]  # the tiny recipe's, in order
 # The tiny recipe itself with its costly parts cut: no distillation (minutes), few prompts,
-# two QAT steps. Every stage and every code path between them still runs.
+# two QAT steps, no smoke run at the end of export (minutes on the HTP simulator; tests/test_smoke.py
+# runs it on a bundle, tests/test_export.py checks that a failed one stops the stage). Every stage
+# and every code path between them still runs.
 SMALL = [
     "fixtures.distill=false",
     "vocab.count_conversations=300", "vocab.heldout_conversations=40",
     "vocab.reserved_train=4", "vocab.reserved_eval=4",
     "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
+    "export.smoke_prompts=0",
     "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
 ]
 
@@ -57,6 +60,21 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
         for source, row in rows.items():
             assert row["ints_equal"] is True and row["scales_equal"] is True, (graph, source)
     assert (run_dir / "convert" / "tree.onnx").is_file() and (run_dir / "qat" / "mtp_step.onnx").is_file()
+    # export compiled calibrate's three graphs for SM8850 into a bundle that lists every file it holds
+    bundle = json.loads((run_dir / "export" / "bundle" / "bundle.json").read_text())
+    assert bundle["soc_model"] == 87 and set(bundle["graphs"]) == {"tree", "prefill", "mtp_step"}
+    for g in bundle["graphs"].values():
+        for part in g["parts"]:
+            assert bundle["files"][part["binary"]]["bytes"] == part["binary_bytes"] > 0
+    assert bundle["files"]["reference/tree.qdq.onnx"]["sha256"] == \
+        json.loads((run_dir / "calibrate" / "manifest.json").read_text())["outputs"]["tree.qdq.onnx"]["sha256"]
+    export = json.loads((run_dir / "export" / "manifest.json").read_text())
+    assert export["summary"]["smoke_passed"] is None  # SMALL turns the smoke run off
+    # declared whole: the context binaries (and the summary's timings); bundle.json only at their hashes
+    declared = export["nondeterministic"]
+    assert {k for k, v in declared.items() if v.get("ignore_pointers") is None} == \
+        {"summary.md", *(f"bundle/{n}" for n in export["summary"]["binaries"])}
+    assert {p.split("/")[-1] for p in declared["bundle/bundle.json"]["ignore_pointers"]} == {"sha256", "compile_s"}
     check = json.loads((run_dir / "check" / "report.json").read_text())
     text = json.dumps(check)
     for name in ("hyco", "hyco-exact", "cloud-mtp"):

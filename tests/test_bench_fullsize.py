@@ -1,0 +1,90 @@
+"""bench/bench_fullsize.py's stage plumbing on the tiny family (undistilled): every stage in its own
+process, measured from a small parent, and the report and summary carry each stage's figures
+and the Table 3 / per-pass sizes. The full-size figures themselves come from running the bench
+(README, full-size section); this only proves the machinery that produces them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "bench_fullsize.py"
+STAGES = ["vocab", "convert", "qat", "calibrate", "export"]
+# CI-sized on top of the bench's own plumbing overrides (as tests/conftest.py's tiny_calibrated)
+SMALL = ["vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
+         "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "calibrate.prompts=2",
+         "calibrate.eval_prompts=1", "calibrate.max_new_tokens=16"]
+
+
+def bench(out: Path, family: Path, *extra: str) -> subprocess.CompletedProcess:
+    sets = [x for s in SMALL for x in ("--set", s)]
+    return subprocess.run([sys.executable, str(BENCH), "--out", str(out), "--family", str(family),
+                           "--recipe", str(ROOT / "recipes" / "tiny.yaml"), *sets, *extra],
+                          cwd=ROOT, capture_output=True, text=True)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
+    family = tiny_family["slm"].parent
+    done = bench(tmp_path, family)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == STAGES
+    run = tmp_path / "run"
+    for s in report["stages"]:
+        assert s["status"] == "ok" and s["rc"] == 0, s
+        # figures measured, not copied: the bytes are the stage folder's, the peak is at least what
+        # the stage's own process recorded (wait4's figure also covers its worker processes)
+        assert s["bytes"] == folder_bytes(run / s["stage"]) > 0, s
+        manifest = json.loads((run / s["stage"] / "manifest.json").read_text())
+        assert s["peak_rss_mb"] >= manifest["peak_rss_mb"] - 1, (s, manifest["peak_rss_mb"])
+        assert 100 < s["peak_rss_mb"] < 8192 and 0 < s["wall_s"] >= manifest["wall_s"], (s, manifest["wall_s"])
+        assert (tmp_path / "logs" / f"{s['stage']}.log").is_file()
+    t = report["totals"]
+    assert t["all_passed"] and t["wall_s"] == pytest.approx(sum(s["wall_s"] for s in report["stages"]), abs=0.2)
+    assert t["peak_rss_mb"] == max(s["peak_rss_mb"] for s in report["stages"])
+    # the recipe the stages ran: the family's folders and the bench's plumbing overrides
+    sets = report["overrides"]
+    assert f"models.slm={family / 'slm'}" in sets and "convert.parity=false" in sets and "qat.steps=2" in sets
+
+    sizes = report["sizes"]
+    assert all(r["bytes"] and r["bytes"] > 0 for r in sizes["table3"]), sizes["table3"]
+    binaries = {b["graph"]: b for b in sizes["context_binaries"]}
+    assert {"tree", "prefill", "mtp_step"} <= set(binaries)
+    for b in binaries.values():
+        assert b["binary_bytes"] == (run / "export" / "bundle" / b["binary"]).stat().st_size > 0
+    passes = {r["graph"]: r for r in sizes["weight_bytes_per_pass"]}
+    assert set(passes) == {"tree", "prefill", "mtp_step"}
+    for r in passes.values():
+        assert r["floor_ms_at_60GBps"] == round(r["weight_bytes"] / 60e9 * 1e3, 2) and r["weight_bytes"] > 0
+    assert {g["goal"] for g in report["goals"]} >= {"whole dry run <= 15 min wall", "convert <= 3 GiB peak RSS"}
+
+    md = (tmp_path / "bench_summary.md").read_text()
+    for s in report["stages"]:
+        row = next(line for line in md.splitlines() if line.startswith(f"| {s['stage']} | "))
+        # markdown_table writes floats as .4g
+        assert row.split(" | ")[1:4] == ["ok", f"{s['wall_s']:.4g}", str(round(s["peak_rss_mb"]))], row
+    assert "## Sizes vs the paper's Table 3" in md and "Context binaries:" in md and "Weight bytes per pass" in md
+
+
+def test_bench_stops_at_a_failing_stage_and_says_where(tiny_family, tmp_path):
+    """A stage that fails ends the run with exit 1; the report names the stage and its log's tail."""
+    family = tiny_family["slm"].parent
+    done = bench(tmp_path, family, "--stages", "convert,qat", "--set", f"models.slm={tmp_path / 'no-such-slm'}")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "bench_report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == ["convert"]  # qat never started
+    assert report["stages"][0]["status"] == "FAILED" and not report["totals"]["all_passed"]
+    assert report["failure"]["stage"] == "convert" and "no-such-slm" in report["failure"]["log_tail"]
+    assert "**Stopped at convert**" in (tmp_path / "bench_summary.md").read_text()
