@@ -26,6 +26,21 @@ from pathlib import Path
 import numpy as np
 
 
+def cpu_session(path: Path):
+    """onnxruntime CPU session as `convert.export_onnx.ort_session` (optimisations off), without
+    the CPU memory arena: with it, a session keeps the high-water mark of every pass (the graph's
+    dequantized fp32 weights, 8x their INT4 bytes, plus transposes) and grows further pass after
+    pass (convert's 4-layer E2B-wide tree.onnx, 176 MB of weights: 2.8 GB after two passes, 0.25
+    GB without the arena); the outputs are the same (allocation only)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    so.enable_cpu_mem_arena = False
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
 @dataclass
 class Recorder:
     """Stands in for an onnxruntime session: runs `session` and keeps every (feeds, outputs)."""
@@ -36,27 +51,33 @@ class Recorder:
     keep_outputs: bool = True
     active: list[int] = field(default_factory=list)  # real (non-padding) rows of each pass, leading
     mask_negative: float | None = None  # rewrite the host's masks to this value before running
+    output_prefixes: tuple[str, ...] | None = None  # keep only these outputs (None: all)
 
     def run(self, names, feeds):
         if self.mask_negative is not None:
             feeds = {k: (np.where(v < 0, np.float32(self.mask_negative), v).astype(np.float32)
                          if k.startswith("mask_") else v) for k, v in feeds.items()}
         values = self.session.run(names, feeds)
-        self.passes.append((feeds, dict(zip(names, values, strict=True)) if self.keep_outputs else {}))
+        kept = {n: v for n, v in zip(names, values, strict=True)
+                if self.output_prefixes is None or n.startswith(self.output_prefixes)}
+        self.passes.append((feeds, kept if self.keep_outputs else {}))
         return values
 
 
 def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None = None,
-               mask_negative: float | None = None):
+               mask_negative: float | None = None, output_prefixes: tuple[str, ...] | None = None):
     """SlmOnnx on `convert_dir`'s host files, with `sessions` ({"tree", "prefill"} -> session;
-    default: convert's float graphs) wrapped in Recorders."""
+    default: convert's float graphs) wrapped in Recorders (keeping the outputs named
+    `output_prefixes*`, default all)."""
     import torch
     from hyco.runtime_check.slm_onnx import SlmOnnx
 
-    slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9)
+    slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9,
+                  open_session=None if sessions else (lambda name: cpu_session(Path(convert_dir) / name)))
     sessions = sessions or {"tree": slm.tree_session, "prefill": slm.prefill_session}
-    slm.tree_session = Recorder(sessions["tree"], "tree", mask_negative=mask_negative)
-    slm.prefill_session = Recorder(sessions["prefill"], "prefill", mask_negative=mask_negative)
+    slm.tree_session = Recorder(sessions["tree"], "tree", mask_negative=mask_negative, output_prefixes=output_prefixes)
+    slm.prefill_session = Recorder(sessions["prefill"], "prefill", mask_negative=mask_negative,
+                                   output_prefixes=output_prefixes)
     run = slm._run
 
     def counted(session, spec, tokens, parents):  # the driver knows which rows are padding

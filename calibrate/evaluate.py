@@ -119,8 +119,8 @@ def to_codes(feeds: dict, spec) -> dict:
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
     import onnx
+    from hyco.calibrate.drive import cpu_session as ort_session  # no CPU memory arena
     from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, record_slm
-    from hyco.convert.export_onnx import ort_session
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
     qdq = {g: ort_session(out / PARITY_NAMES[g]) for g in SLM_GRAPHS}
@@ -152,9 +152,9 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
 
 def run_mtp(qat: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
     import onnx
+    from hyco.calibrate.drive import cpu_session as ort_session  # no CPU memory arena
     from hyco.calibrate.drive import mtp_bursts, replay_mtp
     from hyco.calibrate.stage import MTP_GRAPH, PARITY_NAMES, extra_output_session, mtp_captures
-    from hyco.convert.export_onnx import ort_session
 
     spec = inputs["qat_specs"][MTP_GRAPH]
     ref_model = onnx.load(str(tmp / "mtp.prepared.onnx"))

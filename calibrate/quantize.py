@@ -17,6 +17,7 @@ stores codes; no float ring on the phone).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -132,11 +133,34 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     if method == "percentile":
         cfg.extra_options["CalibPercentile"] = percentile
     cfg.use_external_data_format = True
-    quantize(str(prepared), str(out), cfg)
+    with _calibration_session_without_arena():
+        quantize(str(prepared), str(out), cfg)
     from hyco.calibrate.prepare import save
 
     save(matmul_second_input_uint8(onnx.load(str(out))), out)
     return out
+
+
+@contextmanager
+def _calibration_session_without_arena():
+    """onnxruntime's calibrator opens its session with default options: its CPU memory arena
+    keeps every pass's high-water mark (`drive.cpu_session`). The same session without it."""
+    import onnxruntime
+    from onnxruntime.quantization.calibrate import CalibraterBase
+
+    def create_inference_session(self):
+        so = onnxruntime.SessionOptions()
+        so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.enable_cpu_mem_arena = False
+        self.infer_session = onnxruntime.InferenceSession(self.augmented_model_path, sess_options=so,
+                                                         providers=self.execution_providers)
+
+    original = CalibraterBase.create_inference_session
+    CalibraterBase.create_inference_session = create_inference_session
+    try:
+        yield
+    finally:
+        CalibraterBase.create_inference_session = original
 
 
 def uint8_convert_qparams(scale: float, zero_point: int) -> tuple[np.float32, np.uint8]:

@@ -123,13 +123,14 @@ def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
 
 
 def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateConfig, sessions=None,
-               mask_negative: float | None = None, drivers: int = 1):
-    """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders)."""
+               mask_negative: float | None = None, drivers: int = 1, output_prefixes: tuple[str, ...] | None = None):
+    """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders
+    keeping the outputs named `output_prefixes*`, default all)."""
     from hyco.calibrate.drive import lockstep, slm_driver
     from tqdm import tqdm
 
     rng = np.random.default_rng(config.seed)
-    slms = [slm_driver(convert, keep_ids, s, mask_negative) for s in (sessions or [None] * drivers)]
+    slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes) for s in (sessions or [None] * drivers)]
     for a in tqdm(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None):
         lockstep(slms, a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,
                  topk=config.slm_topk, rng=rng)
@@ -146,8 +147,8 @@ def subsample(items: list, n: int, seed: int) -> list:
 def extra_output_session(model, names: list[str], folder: Path, tag: str):
     """A CPU session over `model` that also returns the tensors `names`."""
     import onnx
+    from hyco.calibrate.drive import cpu_session
     from hyco.calibrate.prepare import _copy, save
-    from hyco.convert.export_onnx import ort_session
     from onnx.external_data_helper import uses_external_data
 
     m = _copy(model)  # every tensor asked for is a float activation
@@ -162,7 +163,7 @@ def extra_output_session(model, names: list[str], folder: Path, tag: str):
         onnx.save(m, str(path))
     else:
         save(m, path, check=False)
-    return ort_session(path)
+    return cpu_session(path)
 
 
 def measure_masks(model, feeds: list[dict], folder: Path, tag: str):
@@ -236,7 +237,8 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     from onnxruntime.quantization import QuantType
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
-    slm = record_slm(convert, inputs["keep_ids"], train, config)[0]
+    # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
+    slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"))[0]
     recorded = {"tree": slm.tree_session.passes, "prefill": slm.prefill_session.passes}
     del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
     result: dict[str, Any] = {"passes": {g: len(p) for g, p in recorded.items()}}
@@ -298,11 +300,10 @@ def mtp_captures(qat: Path, split: str):
 
 def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path) -> dict[str, Any]:
     import onnx
-    from hyco.calibrate.drive import mtp_bursts
+    from hyco.calibrate.drive import cpu_session, mtp_bursts
     from hyco.calibrate.masks import choose_mask
     from hyco.calibrate.prepare import prepare_mtp, save
     from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
-    from hyco.convert.export_onnx import ort_session
     from onnxruntime.quantization import QuantType
 
     spec = inputs["qat_specs"][MTP_GRAPH]
@@ -310,7 +311,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
     prepared, input_params = prepare_mtp(onnx.load(str(qat / MTP_GRAPH)))
     src = tmp / "mtp.prepared.onnx"
     save(prepared, src)
-    sess = ort_session(src)
+    sess = cpu_session(src)
     train = mtp_captures(qat, "train")
     caps = [train[i] for i in range(min(len(train), config.prompts))]
     rng = np.random.default_rng(config.seed)

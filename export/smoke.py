@@ -51,12 +51,14 @@ class PassLog:
     def bound(self, role: str) -> float:
         return self.tolerance[role] if isinstance(self.tolerance, dict) else self.tolerance
 
-    def record(self, role: str, names, htp, cpu) -> None:
+    def record(self, role: str, names, htp, cpu, active: int | None = None) -> None:
+        """`active`: only the first rows are compared (the SLM graphs' padding rows, which see only
+        themselves and are never read, carry no draft; their near-ties would count as tie swaps)."""
         bound = self.bound(role)
         a, b = dict(zip(names, htp, strict=True)), dict(zip(names, cpu, strict=True))
         lp_name, id_name = next(p for p in TOPK_OUTPUTS if p[0] in a and p[1] in a)
-        ids_h, ids_c = np.asarray(a[id_name]), np.asarray(b[id_name])
-        lp_h, lp_c = np.asarray(a[lp_name], np.float64), np.asarray(b[lp_name], np.float64)
+        ids_h, ids_c = np.asarray(a[id_name])[:active], np.asarray(b[id_name])[:active]
+        lp_h, lp_c = np.asarray(a[lp_name], np.float64)[:active], np.asarray(b[lp_name], np.float64)[:active]
         mismatches = ties = 0
         for r in range(ids_c.shape[0]):
             cpu_lp = dict(zip(ids_c[r].tolist(), lp_c[r].tolist(), strict=True))
@@ -81,10 +83,12 @@ class PassLog:
 class ComparingSession:
     def __init__(self, role: str, htp, cpu, log: PassLog):
         self.role, self.htp, self.cpu, self.log = role, htp, cpu, log
+        self.active_rows: int | None = None  # set by the SLM drafter before each pass
 
     def run(self, names, feeds):
         htp = self.htp.run(names, feeds)
-        self.log.record(self.role, names, htp, self.cpu.run(names, feeds))
+        self.log.record(self.role, names, htp, self.cpu.run(names, feeds), self.active_rows)
+        self.active_rows = None
         return htp
 
 

@@ -169,6 +169,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     sim8 = calibrated(8)
     results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
     del sim8
+    gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
     sim = calibrated(config.weight_bits)
     clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
     results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)

@@ -85,5 +85,6 @@ def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cf
         opt.step()
         history.append({"step": step, "loss": total, "lr": lr_at(step, cfg), "grad_norm": float(grad_norm),
                         "wall_s": round(time.perf_counter() - start, 4)})
+    opt.zero_grad(set_to_none=True)  # the last step's gradients (one more copy of the student) go with the optimizer
     sim.model.eval()
     return history

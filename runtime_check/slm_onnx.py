@@ -71,6 +71,8 @@ class SlmOnnx:
         feeds = {k: v for k, v in feeds.items() if k in {t.name for t in spec.inputs}}
         spec.check_feeds(feeds)
         names = [t.name for t in spec.outputs]
+        if hasattr(session, "active_rows"):  # smoke's comparing session: padding rows' outputs are never read
+            session.active_rows = n
         out = dict(zip(names, session.run(names, feeds), strict=True))
         out["positions"] = positions
         return out

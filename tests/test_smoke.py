@@ -27,6 +27,11 @@ def test_pass_comparison_counts_ties_and_mismatches():
     per_graph.record("tree", names, [np.array([[-1.02, -1.04, -3.05]]), np.array([[7, 5, 9]])], cpu)
     assert [(r["bound"], r["id_mismatches"], per_graph.ok(r)) for r in per_graph.rows] == [(0.01, 2, False),
                                                                                           (1.0, 0, True)]
+    padded = PassLog(tolerance=0.1)  # row 1 is a padding row: never read, so never compared
+    two = [np.array([[-1.0, -1.05, -3.0], [-1.0, -1.0, -1.0]]), np.array([[5, 7, 9], [1, 2, 3]])]
+    padded.record("tree", names, [two[0] + [[0, 0, 0], [0, 0, -5]], np.array([[5, 7, 9], [3, 2, 1]])], two, active=1)
+    padded.record("tree", names, [two[0] + [[0, 0, 0], [0, 0, -5]], np.array([[5, 7, 9], [3, 2, 1]])], two)
+    assert [(r["rows"], r["tie_swaps"], padded.ok(r)) for r in padded.rows] == [(1, 0, True), (2, 2, False)]
 
 
 def test_commits_compare_as_streams_and_a_different_length_needs_a_tie():
