@@ -214,6 +214,18 @@ def test_matmul_second_input_uint8_changes_nothing_on_the_htp_and_makes_cpu_agre
     assert np.abs(cpu_before - htp_before).max() >= 5 * step
 
 
+def test_kl_is_never_negative_on_a_clipped_log_prob_grid():
+    """A 16-bit log-prob output floors the deep tail; the floored tail carries more mass than the
+    reference, and a KL on the raw codes went negative. Renormalized, it is >= 0 and 0 on equal rows."""
+    from hyco.calibrate.evaluate import kl_rows, log_softmax
+
+    ref = log_softmax(np.random.default_rng(0).normal(0, 6, (16, 1345)))
+    clipped = np.maximum(ref, -12.0)  # a grid whose floor is -12 nats
+    raw = (np.exp(ref) * (ref - clipped)).sum(-1)
+    assert (raw < 0).any()  # the old formula
+    assert (kl_rows(ref, clipped) >= 0).all() and np.allclose(kl_rows(ref, ref), 0, atol=1e-12)
+
+
 def test_srq_requant_is_exact_on_every_code():
     """An int8 code c requantized to uint16 with scale s/256, zero point 32768 gives back c * s
     exactly, for all 256 codes (what makes the SRQ rewrite lossless)."""
