@@ -587,3 +587,28 @@ def test_bad_input_one_line_exit_2_nothing_written(tiny_calibrated, tmp_path, ca
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("hyco-convert")]
     assert len(lines) == 1 and expect in lines[0], proc.stderr[-2000:]
     assert not out.exists()
+
+
+def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated):
+    """Issue 13: onnxruntime's CPU arena keeps each pass's high-water mark (the dequantized fp32
+    weights) and grows pass after pass; calibrate's sessions turn it off and compute the same."""
+    from hyco.calibrate.drive import Recorder, cpu_session, slm_driver
+    from hyco.vocab.keepset import load_keep_set
+
+    convert = Path(tiny_calibrated) / "convert"
+    sess, default = cpu_session(convert / "tree.onnx"), ort_session(convert / "tree.onnx")
+    assert sess.get_session_options().enable_cpu_mem_arena is False
+    assert default.get_session_options().enable_cpu_mem_arena is True  # onnxruntime's default
+    spec = read_io_spec(convert / "io_spec.json")["tree.onnx"]
+    feeds = {t.name: t.zeros() for t in spec.inputs}
+    for a, b in zip(sess.run(None, feeds), default.run(None, feeds), strict=True):
+        assert np.array_equal(a, b)
+    keep = load_keep_set(Path(tiny_calibrated) / "vocab" / "keep_set.json").token_ids
+    slm = slm_driver(convert, np.asarray(keep))
+    assert slm.tree_session.session.get_session_options().enable_cpu_mem_arena is False
+    # the calibration recording keeps only the outputs it reads (no logits)
+    rec = Recorder(sess, "tree", output_prefixes=("new_k_",))
+    names = [o.name for o in sess.get_outputs()]
+    rec.run(names, feeds)
+    (_, kept), = rec.passes
+    assert kept and set(kept) == {n for n in names if n.startswith("new_k_")}

@@ -408,3 +408,38 @@ def test_training_masks_use_the_step_graphs_mask_value():
     *_, full, sliding = model_inputs(cap, 3, "cpu", -50.0)
     for mask in (full, sliding):
         assert set(torch.unique(mask).tolist()) == {-50.0, 0.0}
+
+
+def test_student_copies_no_vocabulary_table(tiny, tmp_path, monkeypatch):
+    """Issue 13: the student is one copy of the head's weights: neither the head's input table nor
+    its full-vocabulary output layer is copied (262,144 x 1,024 fp32 = 1.07 GB each at full size),
+    and QuantSim wraps that copy in place; the teacher head is left untouched."""
+    from hyco.qat.mtp import teacher_forced_inputs
+    from hyco.qat.quantsim import aimet_config, make_student
+
+    _, head, states = tiny
+    keep = torch.arange(0, VOCAB, 2)
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    example = teacher_forced_inputs(states.embeds, states.hidden, states.kv, SLIDING_WINDOW)
+    copied = []
+    deepcopy = torch.nn.Parameter.__deepcopy__
+
+    def recording(self, memo):
+        copied.append(tuple(self.shape))
+        return deepcopy(self, memo)
+
+    monkeypatch.setattr(torch.nn.Parameter, "__deepcopy__", recording)
+    sim = make_student(head, keep, example, weight_bits=4, activation_bits=16,
+                       config_path=aimet_config(tmp_path / "aimet.json"))
+    monkeypatch.undo()
+    assert not [s for s in copied if s and s[0] == VOCAB]  # the vocabulary table was never copied
+    assert 0 < len(copied) < len(list(head.parameters()))  # every other weight once: no second deep copy
+    table = head.model.embed_tokens.weight
+    student_params = list(sim.model.parameters())
+    assert all(p.shape[0] < VOCAB for p in student_params if p.dim() == 2)  # no full-vocabulary table
+    assert all(p.data_ptr() != table.data_ptr() for p in student_params)
+    assert sim.model.lm_head.weight.shape[0] == len(keep)
+    assert torch.equal(sim.model.lm_head.weight.detach(), head.lm_head.weight.detach()[keep])
+    assert head.model.embed_tokens is not None and head.lm_head.weight is table  # the teacher keeps its tie
+    for n, p in head.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
