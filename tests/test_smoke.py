@@ -119,3 +119,30 @@ def test_smoke_needs_the_bound_or_a_tolerance(tmp_path):
         graph_bounds(tmp_path, specs)
     specs["mtp_step.qdq.onnx"].meta["htp_logprob_bound"] = 0.2
     assert graph_bounds(tmp_path, specs) == {"tree": 0.3, "mtp_step": 0.2}
+
+
+@pytest.mark.slow
+def test_check_runs_both_drafters_on_the_bundle_with_the_qnn_backend(tiny_export_distilled, tiny_family_distilled,
+                                                                     tmp_path):
+    """`hyco-convert check --set check.backend=qnn`: both drafters on the bundle's context binaries
+    (simulator), greedy exact decoding equal to the verifier's own `generate`, drafts accepted."""
+    import json
+    from pathlib import Path
+
+    from hyco.cli import main
+
+    run_dir, bundle = tiny_export_distilled
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "vocab").symlink_to(run_dir / "vocab")
+    (run / "export").symlink_to(bundle.parent)
+    recipe = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
+    sets = [f"out={run}", "stages=[vocab,export,check]", "check.backend=qnn", "check.max_new_tokens=8",
+            *(f"models.{k}={v}" for k, v in tiny_family_distilled.items())]
+    args = ["check", "--recipe", str(recipe), "--config", "hyco-exact", "--prompts", "1"]
+    assert main([*args, *sum((["--set", s] for s in sets), [])]) == 0
+    report = json.loads((run / "check" / "report.json").read_text())
+    assert "QNN HTP" in report["settings"]["backends"]["slm"] and "QNN HTP" in report["settings"]["backends"]["mtp"]
+    lossless = report["lossless"]["hyco-exact"]
+    assert lossless["equal"] and lossless["tokens_compared"] == 8 and lossless["accepted_draft_tokens"] > 0
+    assert report["configs"]["hyco-exact"]["mat"] > 1.0
