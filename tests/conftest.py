@@ -50,16 +50,22 @@ def reference_run(tmp_path_factory):
 def tiny_calibrated(tiny_family, tmp_path_factory):
     """vocab, convert (parity off), qat (2 steps) and calibrate (no HTP check) on the undistilled tiny
     family, CI-sized: the run folder (the export and smoke tests build on it)."""
+    return _calibrated_run(tiny_family, tmp_path_factory.mktemp("calibrated"),
+                           ["calibrate.eval_prompts=1", "calibrate.htp_check=false"])
+
+
+def _calibrated_run(family: dict, run_dir: Path, calibrate: list[str]) -> Path:
+    """The tiny recipe's vocab..calibrate on `family`, CI-sized (parity off, 2 QAT steps, 2
+    calibration prompts), with the `calibrate` overrides last."""
     from hyco.pipeline import run_recipe
     from hyco.recipe import load_recipe
 
-    run_dir = tmp_path_factory.mktemp("calibrated")
-    models = [f"models.{k}={v}" for k, v in tiny_family.items()]
+    models = [f"models.{k}={v}" for k, v in family.items()]
     small = ["stages=[vocab,convert,qat,calibrate]", "convert.parity=false",
              "vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
              "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16",
-             "qat.max_new_tokens_eval=12", "calibrate.prompts=2", "calibrate.eval_prompts=1",
-             "calibrate.max_new_tokens=16", "calibrate.htp_check=false", "calibrate.sqnr_passes=2"]
+             "qat.max_new_tokens_eval=12", "calibrate.prompts=2", "calibrate.max_new_tokens=16",
+             "calibrate.sqnr_passes=2", *calibrate]
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml", [*models, *small])
     run_recipe(recipe, run_dir, log=lambda *a: None)
     return run_dir
@@ -89,19 +95,10 @@ def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
     near-ties of most top-k entries."""
     from hyco.export.stage import export
 
-    from hyco.pipeline import run_recipe
-    from hyco.recipe import ExportConfig, load_recipe
+    from hyco.recipe import ExportConfig
 
-    run_dir = tmp_path_factory.mktemp("distilled")
-    models = [f"models.{k}={v}" for k, v in tiny_family_distilled.items()]
-    small = ["stages=[vocab,convert,qat,calibrate]", "convert.parity=false",
-             "vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
-             "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16",
-             "qat.max_new_tokens_eval=12", "calibrate.prompts=2", "calibrate.eval_prompts=2",
-             "calibrate.max_new_tokens=16", "calibrate.htp_check=true", "calibrate.simulator_passes=1",
-             "calibrate.sqnr_passes=2"]
-    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml", [*models, *small])
-    run_recipe(recipe, run_dir, log=lambda *a: None)
+    run_dir = _calibrated_run(tiny_family_distilled, tmp_path_factory.mktemp("distilled"),
+                              ["calibrate.eval_prompts=2", "calibrate.htp_check=true", "calibrate.simulator_passes=1"])
     out = run_dir / "export"
     export(calibrate=run_dir / "calibrate", convert=run_dir / "convert", qat=run_dir / "qat", vocab=run_dir / "vocab",
            out=out, tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],
