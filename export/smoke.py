@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from hyco.answers import MAX_TOP_SHARE, text_stats
 from hyco.artifacts import markdown_table, write_json
 from hyco.errors import HycoError
 
@@ -236,22 +237,30 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
                          "max_logprob_diff": round(max(p["max_logprob_diff"] for p in rows), 5),
                          "bound": round(graph_bound[role], 5),
                          "max_kv_diff": round(max((p["max_kv_diff"] or 0.0) for p in rows), 5)}
+    # the text the rounds ran on: a prompt whose answer loops on one token drafts trivially
+    committed = {i: sum((r["cpu_committed"] for r in results if r["prompt"] == i), []) for i in range(len(prompt_ids))}
+    text = {i: text_stats([ids]) for i, ids in committed.items()}
+    looping = sum(t["top_share"] > MAX_TOP_SHARE for t in text.values())  # a few rounds: too short for "distinct"
     headline = (f"smoke {'PASSED' if passed else 'FAILED'}: {len(prompt_ids)} prompts x {rounds} rounds, "
                 f"{len(log.rows)} graph passes on the QNN HTP simulator vs onnxruntime CPU, "
                 f"{len(bad_passes)} disagreeing (log-prob bound per graph {graph_bound}), "
                 f"committed streams {'agree' if all(r['stream_agrees'] for r in results) else 'DIFFER'}, "
                 f"{diverged} rounds accepting another number of drafts "
-                f"({sum(not r['same_commit'] and r['explained'] for r in results)} through a tie swap)")
+                f"({sum(not r['same_commit'] and r['explained'] for r in results)} through a tie swap); "
+                f"committed text more than {MAX_TOP_SHARE:.0%} one token on {looping} of {len(text)} prompts")
     report = {"passed": passed, "headline": headline, "bundle": str(bundle), "verifier": str(verifier),
               "soc_model": meta["soc_model"], "tolerance": tolerance, "bounds": graph_bound, "isolate": isolate,
               "isolation_note": "each HTP context in its own worker process (results were seen to leak between "
                                 "HTP sessions in one process)" if isolate else "all contexts in one process",
-              "by_graph": by_role, "rounds": results, "timings": timings, "passes": log.rows,
+              "by_graph": by_role, "rounds": results, "committed_text": text, "looping_prompts": looping, "timings": timings, "passes": log.rows,
               "wall_s": round(time.perf_counter() - start, 2)}
     md = f"## smoke on `{bundle}`\n\n{headline}.\n\n"
     md += markdown_table([{"graph": k, **v} for k, v in by_role.items()],
                          ["graph", "passes", "rows", "id_mismatches", "tie_swaps", "top1_equal", "max_logprob_diff",
                           "bound", "max_kv_diff"])
+    md += "\nCommitted text per prompt (CPU run; a looping answer drafts trivially):\n\n"
+    md += markdown_table([{"prompt": i, **v} for i, v in text.items()],
+                         ["prompt", "tokens", "distinct_tokens", "top_token", "top_share"])
     md += "\nRounds (tokens each run committed; a different count needs a tie swap in that round):\n\n"
     md += markdown_table([{**r, "htp_committed": len(r["htp_committed"]), "cpu_committed": len(r["cpu_committed"])}
                           for r in results],

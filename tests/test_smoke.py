@@ -100,6 +100,9 @@ def test_smoke_agrees_with_cpu_on_every_round_of_two_prompts(smoked, tiny_export
     specs = read_io_spec(bundle / "io_spec.json")
     assert smoked["passed"], smoked["headline"]
     assert all(r["passes_agree"] and r["ok"] for r in smoked["rounds"])
+    text = smoked["committed_text"]  # the data behind the verdict, reported next to it
+    assert sorted(text) == [0, 1] and all(t["tokens"] == sum(len(r["cpu_committed"]) for r in smoked["rounds"]
+                                                             if r["prompt"] == p) for p, t in text.items())
     for key, spec in specs.items():
         g = smoked["by_graph"][key.split(".")[0]]
         assert g["bound"] == pytest.approx(spec.meta["htp_logprob_bound"], abs=1e-5) and g["bound"] < 1.0, key
