@@ -32,13 +32,9 @@ def cpu_session(path: Path):
     dequantized fp32 weights, 8x their INT4 bytes, plus transposes) and grows further pass after
     pass (convert's 4-layer E2B-wide tree.onnx, 176 MB of weights: 2.8 GB after two passes, 0.25
     GB without the arena); the outputs are the same (allocation only)."""
-    import onnxruntime as ort
+    from hyco.convert.export_onnx import ort_session  # lazily, like the rest: it imports torch
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    so.enable_cpu_mem_arena = False
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort_session(path, arena=False)
 
 
 @dataclass

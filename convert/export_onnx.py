@@ -185,13 +185,15 @@ def export_graph(static: StaticGemma, rows: int, path: Path) -> GraphSpec:
     return spec
 
 
-def ort_session(path: Path, optimize: bool = False):
+def ort_session(path: Path, optimize: bool = False, arena: bool = True):
     """onnxruntime CPU session; graph optimisations off by default, since SRQ rounding is
-    sensitive to summation order (the default optimisations flipped a few rounds)."""
+    sensitive to summation order (the default optimisations flipped a few rounds). `arena`
+    False: no CPU memory arena (same outputs; see calibrate.drive.cpu_session)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 3
+    so.enable_cpu_mem_arena = arena
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
