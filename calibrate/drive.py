@@ -26,24 +26,53 @@ from pathlib import Path
 import numpy as np
 
 
-def cpu_session(path: Path):
-    """onnxruntime CPU session as `convert.export_onnx.ort_session` (optimisations off), without
-    the CPU memory arena: with it, a session keeps the high-water mark of every pass (the graph's
-    dequantized fp32 weights, 8x their INT4 bytes, plus transposes) and grows further pass after
-    pass (convert's 4-layer E2B-wide tree.onnx, 176 MB of weights: 2.8 GB after two passes, 0.25
-    GB without the arena); the outputs are the same (allocation only)."""
+def cpu_session(path: Path, providers=("CPUExecutionProvider",)):
+    """onnxruntime CPU session as `convert.export_onnx.ort_session` (optimisations off, weights
+    dequantized just before their MatMul), without the CPU memory arena: with it, a session
+    keeps the high-water mark of every pass and grows further pass after pass (convert's 4-layer
+    E2B-wide tree.onnx, 176 MB of weights: 2.8 GB after two passes, 0.25 GB without the arena);
+    the outputs are the same (allocation only)."""
     from hyco.convert.export_onnx import ort_session  # lazily, like the rest: it imports torch
 
-    return ort_session(path, arena=False)
+    return ort_session(path, arena=False, providers=providers)
+
+
+class SpilledPasses:
+    """A list of (feeds, outputs) kept on disk, one .npy pair per pass in `folder`, read back on
+    access. At E2B size a pass's feeds are 27-32 MB (rings, masks, per-layer rows) and its
+    logits 11-45 MB: the ~100 passes calibrate and its evaluation record held 4-6 GB in memory."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.count = 0
+
+    def append(self, item: tuple[dict, dict]) -> None:
+        for part, values in zip(("feeds", "outputs"), item, strict=True):
+            np.savez(self.folder / f"{self.count:05d}.{part}.npz", **values)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> tuple[dict, dict]:
+        if not -self.count <= i < self.count:
+            raise IndexError(i)
+        i %= self.count
+        return tuple(dict(np.load(self.folder / f"{i:05d}.{part}.npz")) for part in ("feeds", "outputs"))
+
+    def __iter__(self):
+        return (self[i] for i in range(self.count))
 
 
 @dataclass
 class Recorder:
-    """Stands in for an onnxruntime session: runs `session` and keeps every (feeds, outputs)."""
+    """Stands in for an onnxruntime session: runs `session` and keeps every (feeds, outputs)
+    (in memory, or on disk when `passes` is a SpilledPasses)."""
 
     session: object
     graph: str
-    passes: list[tuple[dict, dict]] = field(default_factory=list)
+    passes: list[tuple[dict, dict]] | SpilledPasses = field(default_factory=list)
     keep_outputs: bool = True
     active: list[int] = field(default_factory=list)  # real (non-padding) rows of each pass, leading
     mask_negative: float | None = None  # rewrite the host's masks to this value before running
@@ -56,23 +85,31 @@ class Recorder:
         values = self.session.run(names, feeds)
         kept = {n: v for n, v in zip(names, values, strict=True)
                 if self.output_prefixes is None or n.startswith(self.output_prefixes)}
-        self.passes.append((feeds, kept if self.keep_outputs else {}))
+        # KVRing.feeds() hands out the live ring arrays, which the next ring.write changes in
+        # place: keep a snapshot, or every recorded pass would replay the final ring.
+        snapshot = feeds if isinstance(self.passes, SpilledPasses) else {k: np.array(v) for k, v in feeds.items()}
+        self.passes.append((snapshot, kept if self.keep_outputs else {}))
         return values
 
 
 def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None = None,
-               mask_negative: float | None = None, output_prefixes: tuple[str, ...] | None = None):
+               mask_negative: float | None = None, output_prefixes: tuple[str, ...] | None = None,
+               spill: Path | None = None):
     """SlmOnnx on `convert_dir`'s host files, with `sessions` ({"tree", "prefill"} -> session;
     default: convert's float graphs) wrapped in Recorders (keeping the outputs named
-    `output_prefixes*`, default all)."""
+    `output_prefixes*`, default all; on disk under `spill`/<graph> when given)."""
     import torch
     from hyco.runtime_check.slm_onnx import SlmOnnx
 
     slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9,
                   open_session=None if sessions else (lambda name: cpu_session(Path(convert_dir) / name)))
     sessions = sessions or {"tree": slm.tree_session, "prefill": slm.prefill_session}
-    slm.tree_session = Recorder(sessions["tree"], "tree", mask_negative=mask_negative, output_prefixes=output_prefixes)
-    slm.prefill_session = Recorder(sessions["prefill"], "prefill", mask_negative=mask_negative,
+    def store(graph: str):
+        return SpilledPasses(Path(spill) / graph) if spill is not None else []
+
+    slm.tree_session = Recorder(sessions["tree"], "tree", store("tree"), mask_negative=mask_negative,
+                                output_prefixes=output_prefixes)
+    slm.prefill_session = Recorder(sessions["prefill"], "prefill", store("prefill"), mask_negative=mask_negative,
                                    output_prefixes=output_prefixes)
     run = slm._run
 

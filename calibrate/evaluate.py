@@ -52,16 +52,18 @@ def logsoftmax_output(model) -> str | None:
                  if n.op_type == "LogSoftmax" or (n.op_type == "Sub" and n.name.endswith("_log_softmax"))), None)
 
 
-def sqnr(ref_model, q_model, feeds: list[dict], tmp: Path, tag: str, rows: list[int] | None = None) -> dict[str, float]:
-    """10 log10(sum ref^2 / sum (ref - q)^2) per layer output over `feeds` (first `rows[i]` rows)."""
+def sqnr(ref_model, q_model, feeds: list[dict], tmp: Path, tag: str, rows: list[int] | None = None,
+         weights: tuple[Path, Path] | None = None) -> dict[str, float]:
+    """10 log10(sum ref^2 / sum (ref - q)^2) per layer output over `feeds` (first `rows[i]` rows).
+    `weights`: the external-data folders of weightless `ref_model` and `q_model`."""
     from hyco.calibrate.stage import extra_output_session
 
     names = layer_outputs(ref_model)
     if not names:
         return {}
     tensors = list(names.values())
-    a = extra_output_session(ref_model, tensors, tmp, f"{tag}_ref")
-    b = extra_output_session(q_model, tensors, tmp, f"{tag}_q")
+    a = extra_output_session(ref_model, tensors, tmp, f"{tag}_ref", weights[0] if weights else None)
+    b = extra_output_session(q_model, tensors, tmp, f"{tag}_q", weights[1] if weights else None)
     signal = dict.fromkeys(tensors, 0.0)
     noise = dict.fromkeys(tensors, 0.0)
     inputs = {i.name for i in a.get_inputs()}
@@ -122,13 +124,18 @@ def to_codes(feeds: dict, spec) -> dict:
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
     import onnx
+    from hyco.calibrate.drive import SpilledPasses
     from hyco.calibrate.drive import cpu_session as ort_session  # no CPU memory arena
     from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, record_slm
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
     qdq = {g: ort_session(out / PARITY_NAMES[g]) for g in SLM_GRAPHS}
     ref = {g: ort_session(convert / name) for g, name in SLM_GRAPHS.items()}
-    f_slm, q_slm = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref, qdq], mask_negative=negative)
+    f_slm, q_slm = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref, qdq], mask_negative=negative,
+                              spill=tmp / "evaluated")
+    for recorder in (f_slm.tree_session, f_slm.prefill_session, q_slm.tree_session, q_slm.prefill_session):
+        recorder.session = None  # the four graphs' sessions are done: only their passes are read below
+    del qdq, ref
     results, htp_feeds = {}, {}
     for g, name in SLM_GRAPHS.items():
         f_rec = getattr(f_slm, f"{g}_session")
@@ -141,15 +148,16 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
             margins.append(top_margin(a))
             kl.append(kl_rows(a, b))
             topk_err.append(topk_logprob_error(a, b, k))
-            feeds.append(qf)
+            feeds.append(qf if not isinstance(q_rec.passes, SpilledPasses) else None)  # on disk: read back below
             rows.append(n)
         pick = np.linspace(0, len(feeds) - 1, min(config.sqnr_passes, len(feeds))).astype(int).tolist()
-        db = sqnr(onnx.load(str(convert / name)), onnx.load(str(out / PARITY_NAMES[g])),
-                  [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick])
+        db = sqnr(onnx.load(str(convert / name), load_external_data=False),
+                  onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False),
+                  [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick], weights=(convert, out))
         results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(feeds)}
         # the HTP check runs the QDQ driver's own passes (a fuller tree pass first)
-        order = sorted(range(len(feeds)), key=lambda i: -rows[i])
-        htp_feeds[g] = [feeds[i] for i in order]
+        order = sorted(range(len(feeds)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]
+        htp_feeds[g] = [feeds[i] if feeds[i] is not None else q_rec.passes[i][0] for i in order]
     return {"graphs": results, "htp_feeds": htp_feeds}
 
 

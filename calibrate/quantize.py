@@ -17,6 +17,7 @@ stores codes; no float ring on the phone).
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -133,27 +134,33 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     if method == "percentile":
         cfg.extra_options["CalibPercentile"] = percentile
     cfg.use_external_data_format = True
+    Path(f"{out}.data").unlink(missing_ok=True)  # onnx appends external data to an existing file
     with _calibration_session_without_arena():
         quantize(str(prepared), str(out), cfg)
-    from hyco.calibrate.prepare import save
-
-    save(matmul_second_input_uint8(onnx.load(str(out))), out)
+    del cfg
+    gc.collect()  # the quantizer's model copies sit in reference cycles: free them before the next graph
+    # The rewrite adds only nodes and scalar initializers: the graph is read and written without
+    # its weights, which stay where the quantizer wrote them (reading them back, copying the model
+    # and saving it again held three more copies: 12.9 GB at E2B size).
+    model = matmul_second_input_uint8(onnx.load(str(out), load_external_data=False))
+    onnx.save_model(model, str(out))
+    onnx.checker.check_model(str(out), full_check=True)
     return out
 
 
 @contextmanager
 def _calibration_session_without_arena():
     """onnxruntime's calibrator opens its session with default options: its CPU memory arena
-    keeps every pass's high-water mark (`drive.cpu_session`). The same session without it."""
-    import onnxruntime
+    keeps every pass's high-water mark, and every weight is dequantized before the first MatMul
+    (`drive.cpu_session`). The same session as the rest of calibrate's, on its augmented graph."""
+    from hyco.convert.export_onnx import session_for
     from onnxruntime.quantization.calibrate import CalibraterBase
 
     def create_inference_session(self):
-        so = onnxruntime.SessionOptions()
-        so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.enable_cpu_mem_arena = False
-        self.infer_session = onnxruntime.InferenceSession(self.augmented_model_path, sess_options=so,
-                                                         providers=self.execution_providers)
+        path = Path(self.augmented_model_path)
+        model = onnx.load(str(path), load_external_data=False)
+        constant_weight_taps(model, path.parent)
+        self.infer_session = session_for(model, path.parent, arena=False, providers=self.execution_providers)
 
     original = CalibraterBase.create_inference_session
     CalibraterBase.create_inference_session = create_inference_session
@@ -161,6 +168,67 @@ def _calibration_session_without_arena():
         yield
     finally:
         CalibraterBase.create_inference_session = original
+
+
+def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
+    """The calibrator's ReduceMin/ReduceMax taps on a weight DequantizeLinear's output, as constants
+    (in place; returns how many). onnxruntime runs those taps late in a pass, so every fp32 weight
+    stayed alive until its tap ran: a 4-layer E2B-wide prefill pass peaked at 2.13-2.19 GB with
+    them, 1.60-1.90 GB with these constants (the 35-layer one's calibration peaked at 12.9 GB
+    there). A weight's range is
+    the same every pass, so it is computed once here, exactly: DequantizeLinear is (q - z) * s in
+    float32, monotonic in q for each channel's s, so each channel's extremes are the products at
+    its extreme codes. The weights are read from `folder` one at a time; the model stays weightless."""
+    from hyco.calibrate.prepare import _int_array
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    graph = model.graph
+    inits = _inits(model)
+
+    def loaded(name: str) -> onnx.TensorProto:
+        t = onnx.TensorProto()
+        t.CopyFrom(inits[name])
+        if uses_external_data(t):
+            load_external_data_for_tensor(t, str(folder))
+        return t
+
+    def extremes(dq) -> tuple[np.float32, np.float32]:
+        q = _int_array(loaded(dq.input[0]))
+        s = numpy_helper.to_array(loaded(dq.input[1])).astype(np.float32)
+        z = numpy_helper.to_array(loaded(dq.input[2])).astype(np.int32) if len(dq.input) > 2 and dq.input[2] else np.int32(0)
+        if s.ndim == 0:
+            q_lo, q_hi = q.min(), q.max()
+        else:
+            axis = next((a.i for a in dq.attribute if a.name == "axis"), 1) % q.ndim
+            others = tuple(i for i in range(q.ndim) if i != axis)
+            q_lo, q_hi = q.min(axis=others), q.max(axis=others)
+        ends = [(np.asarray(e, np.int32) - z).astype(np.float32) * s for e in (q_lo, q_hi)]
+        return min(e.min() for e in ends), max(e.max() for e in ends)
+
+    weight_dq = {n.output[0]: n for n in graph.node
+                 if n.op_type == "DequantizeLinear" and all(x in inits for x in n.input if x)
+                 and inits[n.input[1]].data_type == TensorProto.FLOAT
+                 and not any(a.name == "block_size" and a.i for a in n.attribute)}
+    ranges, nodes, replaced = {}, [], 0
+    for node in graph.node:
+        # ORT's per-tensor taps only: the whole tensor (no axes), keepdims 1
+        if node.op_type in ("ReduceMin", "ReduceMax") and node.input[0] in weight_dq and len(node.input) == 1 \
+                and all(a.name == "keepdims" and a.i == 1 for a in node.attribute):
+            dq = weight_dq[node.input[0]]
+            if dq.output[0] not in ranges:
+                ranges[dq.output[0]] = extremes(dq)
+            lo, hi = ranges[dq.output[0]]
+            rank = len(inits[dq.input[0]].dims)
+            const = numpy_helper.from_array(np.full([1] * rank, lo if node.op_type == "ReduceMin" else hi, np.float32),
+                                            f"{node.output[0]}/constant")
+            graph.initializer.append(const)
+            nodes.append(helper.make_node("Identity", [const.name], [node.output[0]], name=node.name))
+            replaced += 1
+            continue
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return replaced
 
 
 def uint8_convert_qparams(scale: float, zero_point: int) -> tuple[np.float32, np.uint8]:

@@ -123,14 +123,17 @@ def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
 
 
 def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateConfig, sessions=None,
-               mask_negative: float | None = None, drivers: int = 1, output_prefixes: tuple[str, ...] | None = None):
+               mask_negative: float | None = None, drivers: int = 1, output_prefixes: tuple[str, ...] | None = None,
+               spill: Path | None = None):
     """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders
-    keeping the outputs named `output_prefixes*`, default all)."""
+    keeping the outputs named `output_prefixes*`, default all; driver i's passes on disk under
+    `spill`/i when given)."""
     from hyco.calibrate.drive import lockstep, slm_driver
     from tqdm import tqdm
 
     rng = np.random.default_rng(config.seed)
-    slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes) for s in (sessions or [None] * drivers)]
+    slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i))
+            for i, s in enumerate(sessions or [None] * drivers)]
     for a in tqdm(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None):
         lockstep(slms, a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,
                  topk=config.slm_topk, rng=rng)
@@ -144,8 +147,9 @@ def subsample(items: list, n: int, seed: int) -> list:
     return [items[i] for i in idx]
 
 
-def extra_output_session(model, names: list[str], folder: Path, tag: str):
-    """A CPU session over `model` that also returns the tensors `names`."""
+def extra_output_session(model, names: list[str], folder: Path, tag: str, weights: Path | None = None):
+    """A CPU session over `model` that also returns the tensors `names`. `weights`: the folder
+    of a weightless `model`'s external data (the session reads it there; nothing is written)."""
     import onnx
     from hyco.calibrate.drive import cpu_session
     from hyco.calibrate.prepare import _copy, save
@@ -156,6 +160,10 @@ def extra_output_session(model, names: list[str], folder: Path, tag: str):
     for n in names:
         if n not in have:
             m.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
+    if weights is not None:
+        from hyco.convert.export_onnx import session_for
+
+        return session_for(m, weights, arena=False)
     path = folder / f"{tag}.onnx"
     if any(uses_external_data(t) for t in m.graph.initializer):
         # a weightless graph loaded from `folder` (load_external_data=False): the copy points at
@@ -238,7 +246,8 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
     # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
-    slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"))[0]
+    slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
+                     spill=tmp / "recorded")[0]
     recorded = {"tree": slm.tree_session.passes, "prefill": slm.prefill_session.passes}
     del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
     result: dict[str, Any] = {"passes": {g: len(p) for g, p in recorded.items()}}
@@ -250,7 +259,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
         save(model, tmp / f"{g}.prepared.onnx")
         del model
         prepared[g] = onnx.load(str(tmp / f"{g}.prepared.onnx"), load_external_data=False)
-        feeds = subsample([f for f, _ in recorded[g]], config.max_passes, config.seed)
+        feeds = [f for f, _ in subsample(recorded[g], config.max_passes, config.seed)]  # reads only those back
         mask_stats[g] = measure_masks(prepared[g], feeds, tmp, f"{g}_stats")  # its session reads the file's weights
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows
     from hyco.calibrate.masks import MaskStats

@@ -228,6 +228,8 @@ class KVRing:
         return cls(layers, meta["windows"], rows if rows is not None else meta["rows"], meta["mask_negative"])
 
     def feeds(self) -> dict[str, np.ndarray]:
+        """The ring inputs as the live arrays (no copy: a pass reads them at once); `write`
+        changes them in place, so a caller keeping feeds across passes must copy them."""
         feeds = {}
         for r in self.layers:
             feeds[f"k_ring_{r.layer}"] = self.k[r.layer]

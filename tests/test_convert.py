@@ -657,3 +657,127 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monke
         assert (m.bits <= 4) == (ints.data_type == onnx.TensorProto.INT4), name
         assert np.array_equal(values, m.int_values().numpy())
         assert np.array_equal(numpy_helper.to_array(scale), m.scale.numpy())
+
+
+
+@pytest.mark.parametrize("graph", ["tree.onnx", "prefill.onnx"])
+def test_cpu_session_dequantizes_each_weight_just_before_its_matmul(converted, graph, tmp_path):
+    """ort_session's late_weight_dequant: onnxruntime's CPU EP starts every all-initializer DQ
+    first (the whole model in fp32 before the first MatMul: 9.5 GiB at E2B size). After the
+    rewrite no other MatMul runs between a weight's DQ and its own MatMul, while the plain
+    session has many. Every weight's Transpose -> MatMul becomes a Gemm(transB). ort_session's
+    outputs (both rewrites) are bit-identical to the plain session's."""
+    import onnxruntime as ort
+    from hyco.convert.export_onnx import gemm_for_transposed_weights, late_weight_dequant, ort_session
+
+    path = converted["out"] / graph
+    model = onnx.load(str(path), load_external_data=False)
+    consumers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def own_matmul(dq):
+        out = dq.output[0]
+        while consumers[out][0].op_type != "MatMul":
+            out = consumers[out][0].output[0]
+        return consumers[out][0].name
+
+    weight_dqs = {n.name: own_matmul(n) for n in model.graph.node
+                  if n.op_type == "DequantizeLinear" and n.input[0].endswith(".ints")}
+    matmuls = {n.name for n in model.graph.node if n.op_type == "MatMul"}
+    rng = np.random.default_rng(3)
+    feeds = {i.name: (rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]) * 0.5)
+             .astype(np.float32) for i in model.graph.input}
+
+    def most_matmuls_in_between(proto) -> int:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "prof")
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+        session = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+        order = [e["name"][:-len("_kernel_time")] for e in events
+                 if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        at = {name: i for i, name in enumerate(order)}
+        return max(sum(at[dq] < at[m] < at[mm] for m in matmuls) for dq, mm in weight_dqs.items())
+
+    assert most_matmuls_in_between(model) > 5  # the trap, on this graph
+    late = onnx.load(str(path), load_external_data=False)
+    assert late_weight_dequant(late) == len(weight_dqs) > 0
+    assert most_matmuls_in_between(late) == 0
+    assert gemm_for_transposed_weights(onnx.load(str(path), load_external_data=False)) == len(weight_dqs)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as ort_session
+    plain = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    for a, b in zip(plain.run(None, feeds), ort_session(path).run(None, feeds), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_late_dequant_and_gemm_on_a_calibrator_tapped_weight_and_a_single_row(tmp_path):
+    """onnxruntime's calibrator taps the Transpose of a weight with ReduceMin/ReduceMax: the DQ
+    still waits for its MatMul's activation (measured: the 35-layer tree's calibrator held every
+    weight in fp32, 9.7 GB). A one-row activation keeps its Transpose -> MatMul: MLAS has a GEMV
+    kernel for M == 1 and a non-transposed B, so Gemm(transB) would not be bit-identical there."""
+    from hyco.convert.export_onnx import gemm_for_transposed_weights, late_weight_dequant, ort_session
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    ints = rng.integers(-8, 8, (48, 40)).astype(np.int8)
+    scale = (rng.random(48) * 0.1 + 0.01).astype(np.float32)
+
+    def graph(rows: int) -> onnx.ModelProto:
+        nodes = [helper.make_node("DequantizeLinear", ["w.ints", "w.scale"], ["w"], axis=0, name="dq"),
+                 helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0], name="t"),
+                 helper.make_node("ReduceMax", ["wt"], ["wt_max"], keepdims=0, name="tap_max"),
+                 helper.make_node("ReduceMin", ["wt"], ["wt_min"], keepdims=0, name="tap_min"),
+                 helper.make_node("MatMul", ["x", "wt"], ["y"], name="mm")]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows, 40])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "wt_max", "wt_min")],
+                              [numpy_helper.from_array(ints, "w.ints"), numpy_helper.from_array(scale, "w.scale")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+
+    def untapped(rows: int) -> onnx.ModelProto:
+        model = graph(rows)
+        del model.graph.node[2:4]
+        del model.graph.output[1:]
+        return model
+
+    tapped = graph(33)
+    assert late_weight_dequant(tapped) == 1  # found its MatMul past the taps
+    assert gemm_for_transposed_weights(tapped) == 0  # the taps read the transposed weight
+    assert gemm_for_transposed_weights(untapped(33)) == 1
+    assert gemm_for_transposed_weights(untapped(1)) == 0
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for rows in (33, 1):
+        path = tmp_path / f"rows{rows}.onnx"
+        onnx.save(untapped(rows), str(path))
+        x = rng.standard_normal((1, rows, 40)).astype(np.float32)
+        plain = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(ort_session(path).run(None, {"x": x})[0], plain)
+
+
+def test_late_dequant_never_makes_a_weight_wait_for_its_own_descendant():
+    """A MatMul whose activation is computed from the weight itself (here scaled by the
+    weight's max) must keep its plain DQ: waiting for that activation would close a cycle
+    (onnxruntime refused such a rewritten full-size calibration graph: 'not acyclic')."""
+    from hyco.convert.export_onnx import late_weight_dequant
+    from onnx import TensorProto, helper, numpy_helper
+
+    ints = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
+    nodes = [helper.make_node("DequantizeLinear", ["w.ints", "w.scale"], ["w"], axis=0),
+             helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("ReduceMax", ["wt"], ["peak"], keepdims=0),
+             helper.make_node("Mul", ["x", "peak"], ["act"]),
+             helper.make_node("MatMul", ["act", "wt"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])],
+                          [numpy_helper.from_array(ints, "w.ints"),
+                           numpy_helper.from_array(np.full(4, 0.5, np.float32), "w.scale")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    assert late_weight_dequant(model) == 0
+    onnx.checker.check_model(model)
