@@ -160,7 +160,8 @@ def _calibration_session_without_arena():
         path = Path(self.augmented_model_path)
         model = onnx.load(str(path), load_external_data=False)
         constant_weight_taps(model, path.parent)
-        self.infer_session = session_for(model, path.parent, arena=False, providers=self.execution_providers)
+        self.infer_session = session_for(model, path.parent, arena=False, providers=self.execution_providers,
+                                         priority_order=True)
 
     original = CalibraterBase.create_inference_session
     CalibraterBase.create_inference_session = create_inference_session
