@@ -124,7 +124,6 @@ def to_codes(feeds: dict, spec) -> dict:
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
     import onnx
-    from hyco.calibrate.drive import SpilledPasses
     from hyco.calibrate.drive import cpu_session as ort_session  # no CPU memory arena
     from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, record_slm
 
@@ -140,24 +139,23 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
     for g, name in SLM_GRAPHS.items():
         f_rec = getattr(f_slm, f"{g}_session")
         q_rec = getattr(q_slm, f"{g}_session")
-        top1, kl, feeds, rows, margins, topk_err = [], [], [], [], [], []
+        top1, kl, rows, margins, topk_err = [], [], [], [], []
         k = int(inputs["convert_specs"][name].meta.get("topk", 8))
-        for (_, fo), (qf, qo), n in zip(f_rec.passes, q_rec.passes, f_rec.active, strict=True):
+        for (_, fo), (_, qo), n in zip(f_rec.passes, q_rec.passes, f_rec.active, strict=True):
             a, b = log_softmax(fo["logits"][:n]), log_softmax(qo["logits"][:n])
             top1.append(a.argmax(-1) == b.argmax(-1))
             margins.append(top_margin(a))
             kl.append(kl_rows(a, b))
             topk_err.append(topk_logprob_error(a, b, k))
-            feeds.append(qf if not isinstance(q_rec.passes, SpilledPasses) else None)  # on disk: read back below
             rows.append(n)
-        pick = np.linspace(0, len(feeds) - 1, min(config.sqnr_passes, len(feeds))).astype(int).tolist()
+        pick = np.linspace(0, len(rows) - 1, min(config.sqnr_passes, len(rows))).astype(int).tolist()
         db = sqnr(onnx.load(str(convert / name), load_external_data=False),
                   onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False),
                   [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick], weights=(convert, out))
-        results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(feeds)}
-        # the HTP check runs the QDQ driver's own passes (a fuller tree pass first)
-        order = sorted(range(len(feeds)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]
-        htp_feeds[g] = [feeds[i] if feeds[i] is not None else q_rec.passes[i][0] for i in order]
+        results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(rows)}
+        # the HTP check runs the QDQ driver's own passes (a fuller tree pass first), read back from disk
+        order = sorted(range(len(rows)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]
+        htp_feeds[g] = [q_rec.passes[i][0] for i in order]
     return {"graphs": results, "htp_feeds": htp_feeds}
 
 

@@ -292,9 +292,10 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
     bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    upcast = kwargs.get("dtype") is torch.float32 and _narrow_floats_only(tensors)
+    narrow = _narrow_float_dtype(tensors)
+    upcast = kwargs.get("dtype") is torch.float32 and narrow is not None
     if upcast:
-        kwargs = {**kwargs, "dtype": _checkpoint_float_dtype(tensors)}
+        kwargs = {**kwargs, "dtype": narrow}
     try:
         # ignore_mismatched_sizes: hand back the misshapen tensors by name; refused just below
         model, info = cls.from_pretrained(str(folder), output_loading_info=True,
@@ -331,16 +332,12 @@ def all_finite(tensor, block: int = 1 << 22) -> bool:
         return all(bool(torch.isfinite(part).all()) for part in flat.split(block))
 
 
-def _narrow_floats_only(tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> bool:
-    floats = {dtype for dtype, _, _ in tensors.values() if dtype in FLOAT_DTYPES}
-    return len(floats) == 1 and floats <= {"BF16", "F16"}
-
-
-def _checkpoint_float_dtype(tensors):
+def _narrow_float_dtype(tensors: dict[str, tuple[str, tuple[int, ...], Path]]):
+    """torch.bfloat16 / float16 when every float tensor of the checkpoint is BF16 / F16, else None."""
     import torch
 
     floats = {dtype for dtype, _, _ in tensors.values() if dtype in FLOAT_DTYPES}
-    return torch.bfloat16 if floats == {"BF16"} else torch.float16
+    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(floats.pop()) if len(floats) == 1 else None
 
 
 def upcast_to_float32(model) -> None:
@@ -350,8 +347,8 @@ def upcast_to_float32(model) -> None:
     are subsets of fp32). Buffers the model computes at init (embed_scale = sqrt(hidden), rotary
     frequencies; non-persistent) were computed at the narrow dtype (53.066 -> 53.0 in BF16), so
     they are taken from an fp32 skeleton whose parameters stay on the meta device; persistent
-    buffers came from the checkpoint (a missing one is refused above) and are widened. tests/test_loading.py holds it equal to the fp32 load
-    tensor by tensor."""
+    buffers came from the checkpoint (a missing one is refused above) and are widened.
+    tests/test_loading.py holds it equal to the fp32 load tensor by tensor."""
     import torch
     from accelerate import init_empty_weights
 
