@@ -55,9 +55,17 @@ GOALS = {"total_wall_s": 15 * 60, "total_peak_rss_mb": 6 * 1024, "convert_wall_s
 
 
 def run_one(stage: str, recipe_path: Path, run_dir: Path, overrides: list[str]) -> None:
+    import logging
+
     from hyco.artifacts import run_stage
     from hyco.recipe import load_recipe
     from hyco.stages import load_stage, stage_dir, stage_section
+
+    # each phase's wall time and peak RSS so far, as it ends (also in the stage's report.json)
+    phases = logging.getLogger("hyco.phases")
+    phases.setLevel(logging.INFO)
+    phases.addHandler(logging.StreamHandler(sys.stderr))
+    phases.propagate = False  # aimet configures the root logger: once is enough
 
     recipe = load_recipe(recipe_path, overrides)
     module = load_stage(stage)
@@ -80,6 +88,12 @@ def measure(cmd: list[str], log: Path) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
             "rc": proc.returncode}
+
+
+def stage_phases(folder: Path) -> dict:
+    """The stage's own phase log (report.json "phases": wall seconds, peak RSS so far), if any."""
+    report = folder / "report.json"
+    return json.loads(report.read_text()).get("phases", {}) if report.is_file() else {}
 
 
 def folder_bytes(folder: Path) -> tuple[int, int]:
@@ -204,6 +218,11 @@ def summary_md(report: dict) -> str:
           f"Dry run (fixtures excluded): {t['wall_s']} s wall, peak RSS {t['peak_rss_mb']:.0f} MiB (largest stage), "
           f"{mb(t['bytes'])} written; all stages passed: {t['all_passed']}.",
           ""]
+    for st in report["stages"]:
+        if st.get("phases"):
+            md += [f"{st['stage']} by phase (peak RSS: the process's so far, so the phase where it rises set it):", "",
+                   markdown_table([{"phase": k, "wall_s": v["wall_s"], "peak_rss_mib_so_far": round(v["peak_rss_mb"])}
+                                   for k, v in st["phases"].items()], ["phase", "wall_s", "peak_rss_mib_so_far"]), ""]
     if report.get("fixtures"):
         f = report["fixtures"]
         md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")
@@ -311,7 +330,7 @@ def main() -> int:
         m = measure(cmd, logs / f"{stage}.log")
         written, files = folder_bytes(run_dir / stage)
         row = {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,
-               "load_avg_after": load_average()}
+               "load_avg_after": load_average(), "phases": stage_phases(run_dir / stage)}
         report["stages"].append(row)
         print(f"[{stage}] {row['status']}: {m['wall_s']} s, peak RSS {m['peak_rss_mb']:.0f} MiB, {mb(written)}, "
               f"load {row['load_avg_after']}", flush=True)

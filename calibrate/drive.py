@@ -123,12 +123,22 @@ def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None =
 
 
 def lockstep(slms: list, prompt: list[int], answer: list[int], *, chain_depth: int, topk: int,
-             rng: np.random.Generator) -> int:
-    """One answer through every driver in `slms`; returns the rounds run."""
+             rng: np.random.Generator, script: list | None = None, replay: list | None = None) -> int:
+    """One answer through every driver in `slms`; returns the rounds run. `script`: a list this
+    appends each round's (plan, tree, committed) to; `replay`: such a list, whose rounds the
+    drivers walk instead of building them (the first driver's proposals no longer matter), so
+    drivers walk the same trees one after another, each with only its own sessions open."""
     from hyco.runtime_check.tree import CHAIN, SLM, DraftTree
 
     for slm in slms:
         slm.start(list(prompt))
+    if replay is not None:
+        for plan, tree, committed in replay:
+            for slm in slms:
+                slm.propose(plan, list(range(len(plan))), topk)
+                slm.propose(tree, [0], topk)
+                slm.commit(committed)
+        return len(replay)
     rows = slms[0].tree_spec.meta["rows"]
     pos, rounds = 0, 0
     while pos < len(answer):
@@ -160,6 +170,8 @@ def lockstep(slms: list, prompt: list[int], answer: list[int], *, chain_depth: i
         committed = [root, *chain[:accepted]]
         for slm in slms:
             slm.commit(committed)
+        if script is not None:
+            script.append((plan, tree, committed))
         pos += len(committed)
         rounds += 1
     return rounds

@@ -122,40 +122,47 @@ def to_codes(feeds: dict, spec) -> dict:
     return out
 
 
-def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path) -> dict[str, Any]:
+def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase) -> dict[str, Any]:
     import onnx
     from hyco.calibrate.drive import cpu_session as ort_session  # no CPU memory arena
     from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, record_slm
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
-    qdq = {g: ort_session(out / PARITY_NAMES[g]) for g in SLM_GRAPHS}
-    ref = {g: ort_session(convert / name) for g, name in SLM_GRAPHS.items()}
-    f_slm, q_slm = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref, qdq], mask_negative=negative,
-                              spill=tmp / "evaluated")
-    for recorder in (f_slm.tree_session, f_slm.prefill_session, q_slm.tree_session, q_slm.prefill_session):
-        recorder.session = None  # the four graphs' sessions are done: only their passes are read below
-    del qdq, ref
+    # The float driver builds the trees; the QDQ driver then walks the same trees (`lockstep`'s
+    # replay): two graphs' sessions open at a time, not four (~3 GB less at E2B size).
+    script: list = []
+    with phase("fidelity: float SLM passes"):
+        ref = {g: ort_session(convert / name) for g, name in SLM_GRAPHS.items()}
+        f_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref], mask_negative=negative,
+                            spill=tmp / "evaluated" / "float", script=script)
+        f_slm.tree_session.session = f_slm.prefill_session.session = ref = None  # only their passes are read below
+    with phase("fidelity: QDQ SLM passes"):
+        qdq = {g: ort_session(out / PARITY_NAMES[g]) for g in SLM_GRAPHS}
+        q_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[qdq], mask_negative=negative,
+                            spill=tmp / "evaluated" / "qdq", replay=script)
+        q_slm.tree_session.session = q_slm.prefill_session.session = qdq = None
     results, htp_feeds = {}, {}
     for g, name in SLM_GRAPHS.items():
         f_rec = getattr(f_slm, f"{g}_session")
         q_rec = getattr(q_slm, f"{g}_session")
-        top1, kl, rows, margins, topk_err = [], [], [], [], []
-        k = int(inputs["convert_specs"][name].meta.get("topk", 8))
-        for (_, fo), (_, qo), n in zip(f_rec.passes, q_rec.passes, f_rec.active, strict=True):
-            a, b = log_softmax(fo["logits"][:n]), log_softmax(qo["logits"][:n])
-            top1.append(a.argmax(-1) == b.argmax(-1))
-            margins.append(top_margin(a))
-            kl.append(kl_rows(a, b))
-            topk_err.append(topk_logprob_error(a, b, k))
-            rows.append(n)
-        pick = np.linspace(0, len(rows) - 1, min(config.sqnr_passes, len(rows))).astype(int).tolist()
-        db = sqnr(onnx.load(str(convert / name), load_external_data=False),
-                  onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False),
-                  [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick], weights=(convert, out))
-        results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(rows)}
-        # the HTP check runs the QDQ driver's own passes (a fuller tree pass first), read back from disk
-        order = sorted(range(len(rows)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]
-        htp_feeds[g] = [q_rec.passes[i][0] for i in order]
+        with phase(f"fidelity: {g} metrics and SQNR"):
+            top1, kl, rows, margins, topk_err = [], [], [], [], []
+            k = int(inputs["convert_specs"][name].meta.get("topk", 8))
+            for (_, fo), (_, qo), n in zip(f_rec.passes, q_rec.passes, f_rec.active, strict=True):
+                a, b = log_softmax(fo["logits"][:n]), log_softmax(qo["logits"][:n])
+                top1.append(a.argmax(-1) == b.argmax(-1))
+                margins.append(top_margin(a))
+                kl.append(kl_rows(a, b))
+                topk_err.append(topk_logprob_error(a, b, k))
+                rows.append(n)
+            pick = np.linspace(0, len(rows) - 1, min(config.sqnr_passes, len(rows))).astype(int).tolist()
+            db = sqnr(onnx.load(str(convert / name), load_external_data=False),
+                      onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False),
+                      [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick], weights=(convert, out))
+            results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(rows)}
+            # the HTP check runs the QDQ driver's own passes (a fuller tree pass first), read back from disk
+            order = sorted(range(len(rows)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]
+            htp_feeds[g] = [q_rec.passes[i][0] for i in order]
     return {"graphs": results, "htp_feeds": htp_feeds}
 
 
@@ -203,9 +210,14 @@ def run_mtp(qat: Path, out: Path, inputs: dict, config, negative: float, tmp: Pa
 
 
 def run_all(convert: Path, qat: Path, out: Path, inputs: dict, config, slm_negative: float, mtp_negative: float,
-            tmp: Path) -> dict[str, Any]:
-    slm = run_slm(convert, out, inputs, config, slm_negative, tmp)
-    mtp = run_mtp(qat, out, inputs, config, mtp_negative, tmp)
+            tmp: Path, phase=None) -> dict[str, Any]:
+    """`phase`: the stage's `artifacts.Phases` (default: a log of its own)."""
+    from hyco.artifacts import Phases
+
+    phase = phase or Phases("calibrate")
+    slm = run_slm(convert, out, inputs, config, slm_negative, tmp, phase)
+    with phase("fidelity: MTP"):
+        mtp = run_mtp(qat, out, inputs, config, mtp_negative, tmp)
     return {"graphs": {**slm["graphs"], **mtp["graphs"]}, "htp_feeds": {**slm["htp_feeds"], **mtp["htp_feeds"]}}
 
 

@@ -133,9 +133,11 @@ def fold_shape_subgraphs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
+def fold_weight_transposes(model: onnx.ModelProto, folder=None, weights: WeightFile | None = None) -> onnx.ModelProto:
     """DQ(ints [out, in], scale, axis 0) -> Transpose(perm 1, 0) -> MatMul  =>
-    DQ(ints^T [in, out], scale, axis 1) -> MatMul. The transposed ints are the same integers."""
+    DQ(ints^T [in, out], scale, axis 1) -> MatMul. The transposed ints are the same integers.
+    A weight on disk (`load_graph`) is read from `folder`; with `weights`, each transposed weight
+    goes there as it is made (one weight in memory at a time)."""
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -154,9 +156,9 @@ def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
         axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
         if len(ints_t.dims) != 2 or axis != 0:
             continue
-        values = _int_array(ints_t).T.copy()
+        values = _int_array(loaded(ints_t, folder)).T.copy()
         new_ints = _int_tensor(_unique(graph, ints_t.name + "_t"), values, ints_t.data_type)
-        graph.initializer.append(new_ints)
+        graph.initializer.append(weights.put(new_ints) if weights is not None else new_ints)
         new_inputs = [new_ints.name, *dq.input[1:]]
         replace[node.output[0]] = helper.make_node("DequantizeLinear", new_inputs, [node.output[0]],
                                                    name=(dq.name or "dq") + "_t", axis=1)
@@ -435,11 +437,13 @@ def split_kv_row_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def prepare_slm(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The convert graphs' passes, in order (the same for tree and prefill)."""
-    steps = [fold_shape_subgraphs, fold_weight_transposes, explicit_weight_zero_points, srq_int8_as_uint16,
-             gelu_tanh_as_sigmoid, softcap_scale_as_div, log_softmax_as_exp_sum, split_kv_row_outputs]
-    for step in steps:
+def prepare_slm(model: onnx.ModelProto, folder=None, weights: WeightFile | None = None) -> onnx.ModelProto:
+    """The convert graphs' passes, in order (the same for tree and prefill). `folder`, `weights`:
+    a graph whose weights are on disk (`fold_weight_transposes`)."""
+    model = fold_shape_subgraphs(model)
+    model = fold_weight_transposes(model, folder, weights)
+    for step in (explicit_weight_zero_points, srq_int8_as_uint16, gelu_tanh_as_sigmoid, softcap_scale_as_div,
+                 log_softmax_as_exp_sum, split_kv_row_outputs):
         model = step(model)
     return model
 
@@ -452,6 +456,108 @@ def prepare_mtp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tupl
                  log_softmax_as_exp_sum):
         model = step(model)
     return model, params
+
+
+# --- weights on disk ------------------------------------------------------------------------
+# At E2B size a graph's weights are 1 GB; a pass that only re-wires nodes must not hold them (each
+# `_copy` of a loaded model is another GB: preparing a graph peaked at 6 GB that way). So graphs
+# are read with their integer weights left on disk, passes that need a weight's values read that
+# one weight, and saving streams each weight's bytes into the new file one tensor at a time.
+
+INLINE_MAX_BYTES = 1024  # integer tensors from here up stay on disk (as `save` writes them); float ones load
+
+
+def load_graph(path) -> onnx.ModelProto:
+    """`path`'s model with its integer weights left on disk (references resolved against `path`'s
+    folder): scales, zero points and every other small or float tensor are in memory."""
+    from pathlib import Path
+
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    for t in model.graph.initializer:
+        if uses_external_data(t) and (t.data_type not in INT_WEIGHT_TYPES or _external_length(t) < INLINE_MAX_BYTES):
+            load_external_data_for_tensor(t, str(path.parent))
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+    return model
+
+
+def _external_length(t: onnx.TensorProto) -> int:
+    info = {e.key: e.value for e in t.external_data}
+    return int(info.get("length", 1 << 62))
+
+
+def loaded(t: onnx.TensorProto, folder) -> onnx.TensorProto:
+    """`t` with its values in memory: itself if they are, else a copy read from `folder`."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    if not uses_external_data(t):
+        return t
+    out = onnx.TensorProto()
+    out.CopyFrom(t)
+    load_external_data_for_tensor(out, str(folder))
+    del out.external_data[:]
+    out.data_location = TensorProto.DEFAULT
+    return out
+
+
+class WeightFile:
+    """`<graph>.data`, written one tensor at a time: `put` moves a tensor's bytes into the file and
+    leaves the tensor referring to them there."""
+
+    def __init__(self, graph_path):
+        from pathlib import Path
+
+        self.path = Path(str(graph_path) + ".data")
+        self.file = open(self.path, "wb")  # noqa: SIM115 - closed by close() / the with block
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def put(self, t: onnx.TensorProto) -> onnx.TensorProto:
+        from onnx.external_data_helper import set_external_data
+
+        if not t.HasField("raw_data"):  # typed fields (small tensors onnx.helper made) -> raw bytes
+            if t.data_type in (TensorProto.INT4, TensorProto.UINT4, TensorProto.INT2):
+                raise ValueError(f"{t.name}: packed tensor without raw_data")  # from_array would not repack it
+            t.raw_data = numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                t.ClearField(field)
+        offset = self.file.tell()
+        self.file.write(t.raw_data)
+        set_external_data(t, self.path.name, offset=offset, length=len(t.raw_data))
+        t.data_location = TensorProto.EXTERNAL
+        t.ClearField("raw_data")
+        return t
+
+
+def save_streamed(model: onnx.ModelProto, folder, path, check: bool = True, weights: WeightFile | None = None) -> None:
+    """Write `model` (its weights on disk under `folder`, `load_graph`) to `path`: every tensor
+    still on disk, and every one in memory of 1 KB or more, goes into `<path>.data` one at a time
+    (`weights`: that file, already open, holding the tensors a pass wrote there). `model` is left
+    referring to the new file."""
+    from pathlib import Path
+
+    from onnx.external_data_helper import uses_external_data
+
+    path = Path(path)
+    with weights or WeightFile(path) as weights:
+        if weights.path != Path(str(path) + ".data"):
+            raise ValueError(f"{weights.path} is not {path}'s weights file")
+        for t in model.graph.initializer:
+            if uses_external_data(t):
+                if {e.key: e.value for e in t.external_data}.get("location") != weights.path.name:
+                    t.CopyFrom(weights.put(loaded(t, folder)))  # a copy read from `folder`, then moved
+            elif len(t.raw_data) >= 1024 or t.ByteSize() >= 1024:
+                weights.put(t)
+    onnx.save(model, str(path))
+    if check:
+        onnx.checker.check_model(str(path), full_check=True)
 
 
 def save(model: onnx.ModelProto, path, check: bool = True) -> None:

@@ -18,7 +18,7 @@ stores codes; no float ring on the phone).
 from __future__ import annotations
 
 import gc
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -118,8 +118,10 @@ def htp_encoding_violations(model: onnx.ModelProto) -> list[str]:
 
 
 def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]], *, overrides: dict,
-                   method: str, percentile: float, activation_bits: int) -> Path:
-    """ORT QDQ quantization of `prepared` (a model file with external data) into `out`."""
+                   method: str, percentile: float, activation_bits: int, lean: bool = True) -> Path:
+    """ORT QDQ quantization of `prepared` (a model file with external data) into `out`. `lean`:
+    through `_lean_quantizer` (False: onnxruntime's own code paths, for the test that holds the
+    two to the same graph)."""
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -135,7 +137,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
         cfg.extra_options["CalibPercentile"] = percentile
     cfg.use_external_data_format = True
     Path(f"{out}.data").unlink(missing_ok=True)  # onnx appends external data to an existing file
-    with _calibration_session_without_arena():
+    with _lean_quantizer(Path(prepared).parent) if lean else nullcontext():
         quantize(str(prepared), str(out), cfg)
     del cfg
     gc.collect()  # the quantizer's model copies sit in reference cycles: free them before the next graph
@@ -149,26 +151,114 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
 
 
 @contextmanager
-def _calibration_session_without_arena():
-    """onnxruntime's calibrator opens its session with default options: its CPU memory arena
-    keeps every pass's high-water mark, and every weight is dequantized before the first MatMul
-    (`drive.cpu_session`). The same session as the rest of calibrate's, on its augmented graph."""
+def _lean_quantizer(weights: Path):
+    """onnxruntime's calibrator and QDQ quantizer, minus what makes them cost minutes and GBs at
+    E2B size, writing the same graph (tests/test_calibrate.py holds `quantize_graph` to
+    onnxruntime's unpatched `quantize`, and the augmented graph to its own):
+    - the quantizer renames a tensor's readers by scanning every node's inputs in Python, once
+      per quantized tensor, and looks initializers up by a full list scan (quadratic: ~2 minutes
+      per SLM graph); here the same scans, the first with protobuf's own membership test per
+      node, the second stopping at the first match (the one it returned);
+    - its model is read without weights (it loaded and rewrote every weight: one more copy of the
+      model in memory and on disk); the augmented graph's weights are read from `weights`, the
+      prepared graph's folder;
+    - `augment_graph_linear` builds onnxruntime's augmented graph in linear time (its own rescans
+      the node list and value infos per tapped tensor: minutes per SLM graph);
+    - its session has no CPU memory arena (the arena keeps every pass's high-water mark), each
+      weight dequantized just before its MatMul (`drive.cpu_session`), weight taps as constants
+      (`constant_weight_taps`) and onnxruntime's priority order."""
+    import onnxruntime.quantization.calibrate as calibrate
+    import onnxruntime.quantization.onnx_model as onnx_model
+    import onnxruntime.quantization.qdq_quantizer as qdq_quantizer
     from hyco.convert.export_onnx import session_for
-    from onnxruntime.quantization.calibrate import CalibraterBase
+    from onnxruntime.quantization.quant_utils import add_infer_metadata, generate_identified_filename
+
+    def load_weightless(model_path: Path) -> onnx.ModelProto:  # quant_utils.load_model_with_shape_infer
+        inferred = generate_identified_filename(Path(model_path), "-inferred")
+        onnx.shape_inference.infer_shapes_path(str(model_path), str(inferred))  # the weights stay on disk
+        model = onnx.load(str(inferred), load_external_data=False)
+        inferred.unlink()
+        add_infer_metadata(model)
+        return model
 
     def create_inference_session(self):
-        path = Path(self.augmented_model_path)
-        model = onnx.load(str(path), load_external_data=False)
-        constant_weight_taps(model, path.parent)
-        self.infer_session = session_for(model, path.parent, arena=False, providers=self.execution_providers,
+        model = onnx.load(self.augmented_model_path, load_external_data=False)
+        constant_weight_taps(model, weights)
+        self.infer_session = session_for(model, weights, arena=False, providers=self.execution_providers,
                                          priority_order=True)
 
-    original = CalibraterBase.create_inference_session
-    CalibraterBase.create_inference_session = create_inference_session
+    ort_augment = calibrate.MinMaxCalibrater.augment_graph
+
+    def augment_graph(self):
+        return ort_augment(self) if self.per_channel else augment_graph_linear(self)
+
+    def replace_input_of_all_nodes(self, old_input_name, new_input_name):
+        for node in self.model.graph.node:
+            if old_input_name in node.input:
+                onnx_model.ONNXModel.replace_node_input(node, old_input_name, new_input_name)
+
+    def find_by_name(item_name, item_list):
+        return next((item for item in item_list if item.name == item_name), None)
+
+    patches = [(calibrate, "load_model_with_shape_infer", load_weightless),
+               (calibrate.CalibraterBase, "create_inference_session", create_inference_session),
+               (calibrate.MinMaxCalibrater, "augment_graph", augment_graph),
+               (onnx_model.ONNXModel, "replace_input_of_all_nodes", replace_input_of_all_nodes),
+               (onnx_model, "find_by_name", find_by_name), (qdq_quantizer, "find_by_name", find_by_name)]
+    originals = [getattr(owner, name) for owner, name, _ in patches]
+    for owner, name, new in patches:
+        setattr(owner, name, new)
     try:
         yield
     finally:
-        CalibraterBase.create_inference_session = original
+        for (owner, name, _), original in zip(patches, originals, strict=True):
+            setattr(owner, name, original)
+
+
+def augment_graph_linear(self) -> None:
+    """`MinMaxCalibrater.augment_graph` (onnxruntime 1.2x-1.3x), the same graph in linear time.
+    onnxruntime inserts each tapped tensor's ReduceMin and then its ReduceMax (each followed by a
+    Reshape to [-1]) in front of the first node that reads the tensor, searching the node list
+    again for every insertion; the ReduceMax lands in front of the ReduceMin, which reads the
+    tensor too. So in front of each node come, for each tensor that node reads first, in the
+    calibrator's tensor order: ReduceMax, Reshape, ReduceMin, Reshape; taps of tensors nothing
+    reads go last, in the same pattern; the graph outputs gain, per tensor, the ReduceMin's and
+    then the ReduceMax's. Per-tensor ranges only (`_lean_quantizer` keeps onnxruntime's for
+    per_channel)."""
+    import uuid
+
+    graph = self.model.graph
+    tensors, value_infos = self.select_tensors_to_calibrate(self.model)
+    reshape_shape = numpy_helper.from_array(np.array([-1], dtype=np.int64), str(uuid.uuid4()))
+    graph.initializer.append(reshape_shape)
+    first_reader: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for x in node.input:
+            first_reader.setdefault(x, i)
+    taps: dict[int, list] = {}
+    outputs = []
+    for tensor in tensors:
+        if tensor not in value_infos:
+            raise ValueError(f"Unable to guess tensor type for tensor {tensor!r}, "
+                             "running shape inference before quantization may resolve this issue.")
+        elem_type = value_infos[tensor].type.tensor_type.elem_type
+        nodes = []
+        for op in ("ReduceMax", "ReduceMin"):
+            reduced = f"{tensor}_{op}"
+            nodes += [helper.make_node(op, [tensor], [reduced + "_Reshape"], keepdims=1, name=reduced),
+                      helper.make_node("Reshape", [reduced + "_Reshape", reshape_shape.name], [reduced],
+                                       name=reduced + "_Reshape")]
+        taps.setdefault(first_reader.get(tensor, len(graph.node)), []).extend(nodes)
+        outputs += [helper.make_tensor_value_info(f"{tensor}_{op}", elem_type, [None]) for op in ("ReduceMin", "ReduceMax")]
+    augmented = []
+    for i, node in enumerate(graph.node):
+        augmented += taps.get(i, [])
+        augmented.append(node)
+    augmented += taps.get(len(graph.node), [])
+    del graph.node[:]
+    graph.node.extend(augmented)
+    graph.output.extend(outputs)
+    onnx.save(self.model, self.augmented_model_path)  # weightless (`_lean_quantizer`): references only
 
 
 def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
@@ -428,18 +518,21 @@ def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str,
     return {name: _unpack_weight(*ref) for name, ref in _weight_refs(model).items()}
 
 
-def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto) -> dict:
+def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folders=(None, None)) -> dict:
     """Every source weight's ints and scales equal in the QDQ graph (bit for bit). One weight
-    unpacked at a time (all of them unpacked at once is twice each graph's INT4 bytes)."""
+    read and unpacked at a time (all of them unpacked at once is twice each graph's INT4 bytes);
+    `folders`: where each model's weights on disk are (`prepare.load_graph`)."""
+    from hyco.calibrate.prepare import loaded
+
     a, b = _weight_refs(source), _weight_refs(quantized)
     rows = {}
-    for name, ref in a.items():
+    for name, (ints_t, scale_t, axis) in a.items():
         other = b.get(name)
         if other is None:
             rows[name] = False
             continue
-        ints, scale, _ = _unpack_weight(*ref)
-        o_ints, o_scale, _ = _unpack_weight(*other)
+        ints, scale, _ = _unpack_weight(loaded(ints_t, folders[0]), loaded(scale_t, folders[0]), axis)
+        o_ints, o_scale, _ = _unpack_weight(loaded(other[0], folders[1]), loaded(other[1], folders[1]), other[2])
         rows[name] = bool(np.array_equal(ints, o_ints) and np.array_equal(scale, o_scale))
     return {"weights": len(a), "equal": sum(rows.values()), "all_equal": bool(rows) and all(rows.values()),
             "missing_or_different": sorted(k for k, v in rows.items() if not v)[:10]}

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hyco.artifacts import (
+    Phases,
     declare_nondeterministic,
     markdown_table,
     peak_rss_mb,
@@ -34,6 +35,7 @@ from hyco.artifacts import (
     write_json,
 )
 from hyco.errors import HycoError, ProofFailed
+from hyco.heap import return_large_blocks
 from hyco.recipe import CalibrateConfig, Recipe, to_dict
 
 SLM_GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
@@ -124,19 +126,23 @@ def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
 
 def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateConfig, sessions=None,
                mask_negative: float | None = None, drivers: int = 1, output_prefixes: tuple[str, ...] | None = None,
-               spill: Path | None = None):
+               spill: Path | None = None, script: list | None = None, replay: list | None = None):
     """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders
     keeping the outputs named `output_prefixes*`, default all; driver i's passes on disk under
-    `spill`/i when given)."""
+    `spill`/i when given). `script` gets one list of rounds per answer, `replay` walks such
+    lists (`drive.lockstep`)."""
     from hyco.calibrate.drive import lockstep, slm_driver
     from tqdm import tqdm
 
     rng = np.random.default_rng(config.seed)
     slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i))
             for i, s in enumerate(sessions or [None] * drivers)]
-    for a in tqdm(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None):
+    for i, a in enumerate(tqdm(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None)):
+        if script is not None:
+            script.append([])
         lockstep(slms, a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,
-                 topk=config.slm_topk, rng=rng)
+                 topk=config.slm_topk, rng=rng, script=script[-1] if script is not None else None,
+                 replay=replay[i] if replay is not None else None)
     return slms
 
 
@@ -237,30 +243,33 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
     return overrides, ranges
 
 
-def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path) -> dict[str, Any]:
-    import onnx
+def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
+                  phase: Phases) -> dict[str, Any]:
     from hyco.calibrate.masks import choose_mask
-    from hyco.calibrate.prepare import drop_outputs, prepare_slm, save
+    from hyco.calibrate.prepare import WeightFile, load_graph, prepare_slm, save_streamed
     from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
     from onnxruntime.quantization import QuantType
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
     # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
-    slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
-                     spill=tmp / "recorded")[0]
-    recorded = {"tree": slm.tree_session.passes, "prefill": slm.prefill_session.passes}
-    del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
+    with phase("record float passes"):
+        slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
+                         spill=tmp / "recorded")[0]
+        recorded = {"tree": slm.tree_session.passes, "prefill": slm.prefill_session.passes}
+        del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
     result: dict[str, Any] = {"passes": {g: len(p) for g, p in recorded.items()}}
-    # Each graph is prepared, measured and written to tmp/ in turn; afterwards only its weightless
-    # graph stays in memory (kv_overrides reads nodes and inputs), the quantizer reads the file.
+    # Each graph is prepared with its weights on disk (prepare.load_graph: one weight in memory at
+    # a time), written to tmp/ and measured in turn; the quantizer reads the file.
     prepared, mask_stats = {}, {}
     for g, name in SLM_GRAPHS.items():
-        model = prepare_slm(onnx.load(str(convert / name)))
-        save(model, tmp / f"{g}.prepared.onnx")
-        del model
-        prepared[g] = onnx.load(str(tmp / f"{g}.prepared.onnx"), load_external_data=False)
-        feeds = [f for f, _ in subsample(recorded[g], config.max_passes, config.seed)]  # reads only those back
-        mask_stats[g] = measure_masks(prepared[g], feeds, tmp, f"{g}_stats")  # its session reads the file's weights
+        with phase(f"{g}: prepare"):
+            path = tmp / f"{g}.prepared.onnx"
+            with WeightFile(path) as weights:  # the transposed weights go there as they are made
+                prepared[g] = prepare_slm(load_graph(convert / name), convert, weights)
+                save_streamed(prepared[g], convert, path, weights=weights)  # now refers to path's weights
+        with phase(f"{g}: mask statistics"):
+            feeds = [f for f, _ in subsample(recorded[g], config.max_passes, config.seed)]  # reads only those back
+            mask_stats[g] = measure_masks(prepared[g], feeds, tmp, f"{g}_stats")  # its session reads the file's weights
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows
     from hyco.calibrate.masks import MaskStats
 
@@ -283,15 +292,13 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
         widened = htp_range_overrides(ranges, overrides)
         src = tmp / f"{g}.prepared.onnx"  # written above
         parity = out / PARITY_NAMES[g]
-        start = time.perf_counter()
-        quantize_graph(src, parity, feeds, overrides=overrides, method=config.activation_calibration,
-                       percentile=config.activation_percentile, activation_bits=config.activation_bits)
-        result["graphs"][g] = {"quantize_s": round(time.perf_counter() - start, 2), "calibration_passes": len(feeds),
+        with phase(f"{g}: quantize"):
+            quantize_graph(src, parity, feeds, overrides=overrides, method=config.activation_calibration,
+                           percentile=config.activation_percentile, activation_bits=config.activation_bits)
+        result["graphs"][g] = {"quantize_s": phase.rows[f"{g}: quantize"]["wall_s"], "calibration_passes": len(feeds),
                                "kv_ranges": kv_ranges,
                                "htp_ranges_widened": widened}
-        deploy = tmp / f"{g}.deploy.onnx"  # read back by the stage, one graph at a time
-        save(drop_outputs(onnx.load(str(parity)), {"logits"}), deploy, check=False)
-        result["graphs"][g]["deploy_model"] = deploy
+        result["graphs"][g]["deploy_model"] = parity  # the stage writes the deployable graph from it
         del passes, feeds
     return result
 
@@ -361,9 +368,8 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
     temp folder, so nothing moves into place) unless `allow_proof_failure`."""
-    import onnx
     from hyco.calibrate import evaluate
-    from hyco.calibrate.prepare import save
+    from hyco.calibrate.prepare import drop_outputs, load_graph, save_streamed
     from hyco.calibrate.quantize import (
         boundary_qparams,
         encodings,
@@ -373,6 +379,8 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     )
 
     start = time.perf_counter()
+    phase = Phases("calibrate")
+    return_large_blocks()  # sessions, passes and graphs come and go: freed GBs leave RSS
     convert, qat, vocab, out = Path(convert), Path(qat), Path(vocab), Path(out)
     inputs = check_inputs(convert, qat, vocab)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
@@ -383,31 +391,38 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     report["data"] = answer_stats(inputs["answers"])
     with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp:
         tmp = Path(tmp)
-        slm = calibrate_slm(convert, inputs, config, tmp, out)
-        mtp = calibrate_mtp(qat, inputs, config, tmp, out)
+        slm = calibrate_slm(convert, inputs, config, tmp, out, phase)
+        with phase("mtp: record, prepare, quantize"):
+            mtp = calibrate_mtp(qat, inputs, config, tmp, out)
         c_specs, q_specs = inputs["convert_specs"], inputs["qat_specs"]
         weight_bits = convert_weight_bits(convert)
         specs, enc, bitexact, traps = {}, {}, {}, {}
         for g in ("tree", "prefill", "mtp"):  # one graph in memory at a time
-            model = onnx.load(str(slm["graphs"][g].pop("deploy_model") if g != "mtp" else mtp.pop("deploy_model")))
-            kv_in = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
-            kv_out = [o.name for o in model.graph.output if o.name.startswith(("new_k_", "new_v_"))]
-            model = kv_io_uint8(model, kv_in, kv_out)
-            save(model, out / OUT_NAMES[g])
-            source = onnx.load(str(convert / SLM_GRAPHS[g])) if g != "mtp" else onnx.load(str(qat / MTP_GRAPH))
-            bitexact[g] = weights_bitexact(source, model)
-            del source
-            traps[g] = htp_encoding_violations(model)
-            enc[OUT_NAMES[g]] = encodings(model, weight_bits if g != "mtp" else {})
-            base = c_specs[SLM_GRAPHS[g]] if g != "mtp" else q_specs[MTP_GRAPH]
-            negative = slm["mask"]["mask_negative"] if g != "mtp" else mtp["mask"]["mask_negative"]
-            specs[g] = quantized_spec(base, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])
+            with phase(f"{g}: deployable graph, bit-exact proof, encodings"):
+                # the parity twin's graph with its weights on disk: no logits output (SLM), uint8 KV
+                # boundary; the weights are streamed into the deployable graph's file
+                parity = slm["graphs"][g].pop("deploy_model") if g != "mtp" else mtp.pop("deploy_model")
+                model = load_graph(parity)
+                if g != "mtp":
+                    model = drop_outputs(model, {"logits"})
+                kv_in = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
+                kv_out = [o.name for o in model.graph.output if o.name.startswith(("new_k_", "new_v_"))]
+                save_streamed(kv_io_uint8(model, kv_in, kv_out), parity.parent, out / OUT_NAMES[g])
+                model = load_graph(out / OUT_NAMES[g])  # scales back in memory, weights on disk
+                source = convert / SLM_GRAPHS[g] if g != "mtp" else qat / MTP_GRAPH
+                bitexact[g] = weights_bitexact(load_graph(source), model, folders=(source.parent, out))
+                traps[g] = htp_encoding_violations(model)
+                enc[OUT_NAMES[g]] = encodings(model, weight_bits if g != "mtp" else {})
+                base = c_specs[SLM_GRAPHS[g]] if g != "mtp" else q_specs[MTP_GRAPH]
+                negative = slm["mask"]["mask_negative"] if g != "mtp" else mtp["mask"]["mask_negative"]
+                specs[g] = quantized_spec(base, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])
         del model
         fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
-                                    mtp["mask"]["mask_negative"], tmp)
+                                    mtp["mask"]["mask_negative"], tmp, phase)
         for g in ("tree", "prefill", "mtp"):  # the HTP-vs-CPU bound, for this stage's check and export's smoke
             specs[g].meta["htp_logprob_bound"] = fidelity["graphs"][g]["topk_logprob_error"]
-        htp_results = htp_checks(out, specs, fidelity["htp_feeds"], config.simulator_passes) if config.htp_check else {}
+        with phase("HTP checks"):
+            htp_results = htp_checks(out, specs, fidelity["htp_feeds"], config.simulator_passes) if config.htp_check else {}
         fidelity.pop("htp_feeds")
     from hyco.io_spec import write_io_spec
 
@@ -427,7 +442,7 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
             "worst_layers": f["worst_layers"], "sqnr_db": f["sqnr_db"], "weights_bitexact": bitexact[g],
             "htp_encoding_traps": traps[g], "htp_logprob_bound": specs[g].meta["htp_logprob_bound"]}
     report.update({"graphs": per_graph, "slm": {k: v for k, v in slm.items()}, "mtp": mtp,
-                   "fidelity_details": fidelity, "wall_s": round(time.perf_counter() - start, 2),
+                   "fidelity_details": fidelity, "phases": phase.rows, "wall_s": round(time.perf_counter() - start, 2),
                    "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": toolchain_versions()})
     failed = proof_failures(per_graph)
     report["proof_failed"] = failed

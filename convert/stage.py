@@ -7,7 +7,6 @@ keyword-only function; the pipeline (`inputs`/`build`) and the CLI (`convert/cli
 
 from __future__ import annotations
 
-import gc
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from hyco.artifacts import (
     write_json,
 )
 from hyco.errors import HycoError, ProofFailed
+from hyco.heap import release_free_heap, return_large_blocks
 from hyco.io_spec import write_io_spec
 from hyco.recipe import ConvertConfig, Recipe, to_dict
 
@@ -144,34 +144,6 @@ def initializer_array(t, folder: Path) -> np.ndarray:
         return numpy_helper.to_array(t)
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
     return np.frombuffer(initializer_bytes(t, folder), dtype=dtype).reshape(tuple(t.dims))
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def return_large_blocks() -> None:
-    """glibc: serve blocks >= 1 MiB by mmap (returned to the system when freed). Its default
-    threshold grows up to 32 MiB as large blocks are freed, and the tracer's and finalize's
-    freed activations then stay in the heap, counted in RSS (bench/bench_convert.py: ~300 MiB
-    of free heap at 6 layers). Process-wide and harmless to later stages (more page faults)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
-def release_free_heap() -> None:
-    """Hand the heap's free pages back (glibc malloc_trim) after a phase freed its transients."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def export_all(static, config: ConvertConfig, raw: Path) -> list:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
@@ -82,6 +84,25 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+class Phases:
+    """Wall seconds and the process's peak RSS so far at the end of each named phase of a stage,
+    for its report: the phase where `peak_rss_mb` jumps is the one that set the stage's peak.
+    Each finished phase is also logged at INFO on `hyco.phases` (bench/bench_fullsize.py shows
+    them; the CLI keeps stderr for errors)."""
+
+    def __init__(self, stage: str):
+        self.stage, self.rows = stage, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        row = {"wall_s": round(time.perf_counter() - start, 2), "peak_rss_mb": round(peak_rss_mb(), 1)}
+        self.rows[name] = row
+        logging.getLogger("hyco.phases").info("%s: %s %s s, peak RSS so far %.0f MiB", self.stage, name,
+                                              row["wall_s"], row["peak_rss_mb"])
+
+
 def write_json(path: Path, obj: Any) -> Path:
     """Write JSON through a temp file and a rename, so readers never see half a file."""
     path = Path(path)
@@ -126,6 +147,30 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def scratch_tempdir(final: Path) -> Iterator[Path]:
+    """Point the process's temp files at `.NAME.scratch-PID` beside `final` for the block: Python's
+    `tempfile` (the stage's own scratch folders, onnxruntime's quantizer's, torch's) and TMPDIR
+    (child processes). A stage killed with SIGKILL cannot clean up; its scratch (GBs at full size:
+    spilled passes, prepared graphs) then sits beside the run as a stale temp that the next run
+    removes, not in /tmp forever (which may be RAM-backed). Removed when the block ends."""
+    final = Path(final)
+    scratch = final.parent / f".{final.name}.scratch-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir, os.environ["TMPDIR"] = str(scratch), str(scratch)
+    try:
+        yield scratch
+    finally:
+        tempfile.tempdir = saved[0]
+        if saved[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[1]
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _missing_ancestors(folder: Path) -> list[Path]:
     missing = []
     while not folder.exists() and folder != folder.parent:
@@ -145,11 +190,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def stale_temps(folder: Path, name: str = "*") -> list[Path]:
-    """`.NAME.tmp-PID` / `.NAME.old-PID` entries in `folder` whose process is gone (kill -9, power loss)."""
+    """`.NAME.tmp-PID` / `.NAME.old-PID` / `.NAME.scratch-PID` entries in `folder` whose process is
+    gone (kill -9, power loss)."""
     stale = []
     for p in sorted(Path(folder).glob(f".{name}.*-*")):
         stem, _, pid = p.name.rpartition("-")
-        if stem.endswith((".tmp", ".old")) and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if stem.endswith((".tmp", ".old", ".scratch")) and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             stale.append(p)
     return stale
 
@@ -326,7 +372,7 @@ def run_stage(
             manifest["skipped"] = True
             return manifest
     start = time.perf_counter()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, scratch_tempdir(out):
         global _declared
         _declared = {}
         try:

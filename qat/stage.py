@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyco.artifacts import declare_nondeterministic, markdown_table, write_json
+from hyco.artifacts import Phases, declare_nondeterministic, markdown_table, write_json
 from hyco.errors import HycoError, ProofFailed
+from hyco.heap import release_free_heap
 from hyco.recipe import AnswersConfig, QatConfig, Recipe, to_dict
 
 CAPTURES = "captures"
@@ -109,6 +110,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     from hyco.loading import load_tokenizer
 
     start = time.perf_counter()
+    phase = Phases("qat")
     out = Path(out)
     torch.manual_seed(config.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,27 +130,33 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
 
     h_cfg = load_config(assistant, "assistant")
     require_plain_output_layer(h_cfg, str(assistant))  # before any weight is read
-    ver = load_model(verifier, "verifier", v_dtype, "auto" if device.type == "cuda" else None)
+    with phase("load verifier"):
+        ver = load_model(verifier, "verifier", v_dtype, "auto" if device.type == "cuda" else None)
     check_pair(ver.config, h_cfg, tok, Path(verifier), Path(assistant))
     keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
     sliding_window = h_cfg.get_text_config().sliding_window
 
     # 1. answers (hyco/answers.py: answers.jsonl + answers.json, also read by calibrate) and captures
     answers_cfg = answers or AnswersConfig()
-    answer_report, answers = make_answers(ver, tok, prompts, answers_cfg, config, out)
-    rows = capture_answers(ver, answers, out / CAPTURES, config.capture_point)
+    with phase("answers"):
+        answer_report, answers = make_answers(ver, tok, prompts, answers_cfg, config, out)
+    with phase("captures"):
+        rows = capture_answers(ver, answers, out / CAPTURES, config.capture_point)
     write_json(out / CAPTURES / "captures.json", {"capture_point": config.capture_point, "shards": rows})
     train, evals = CaptureSet(out / CAPTURES, rows, "train"), CaptureSet(out / CAPTURES, rows, "eval")
     if not len(train) or not len(evals):
         raise HycoError("every train or every eval answer came back empty; nothing to train or evaluate on")
-    write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
+    with phase("embedding LUT"):
+        write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
     kv_shapes = {layer: (k.shape[0], k.shape[-1]) for layer, (k, _) in train[0].kv.items()}
     # The verifier's work is done (answers, captures, LUT): free it before the head and its
     # students load, so the two models' weights are never in memory together (issue 13: the
     # shallow 2,816-wide stand-in is 4.3 GB in fp32, its tied 262,144-row table 2.95 GB of it).
     del ver
-    gc.collect()
-    head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
+    release_free_heap()  # not calibrate's 1 MiB mmap threshold: the full-size run with it took
+    # 10.9 s per training step (6.9 s without) at a 7.4 GiB peak (7.9 without)
+    with phase("free verifier, load head"):
+        head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
 
     # 2. students: W8 PTQ, W4 PTQ (clip search only), W4 QAT
     teacher = TeacherForcedHead(head, keep_ids).eval()
@@ -164,28 +172,33 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         return sim
 
     # Fixed input ranges first: every student sees the graph's input clipping from here on.
-    ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
-    results = {}
-    sim8 = calibrated(8)
-    results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
-    del sim8
-    gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
-    sim = calibrated(config.weight_bits)
-    clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
-    results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-    results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
-    train_start = time.perf_counter()
-    history = train_student(sim, teacher, train, config, sliding_window, device)
-    train_s = time.perf_counter() - train_start
-    recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
-    results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-    results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+    with phase("W8 PTQ"):
+        ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
+        results = {}
+        sim8 = calibrated(8)
+        results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
+        del sim8
+        gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
+    with phase(f"W{config.weight_bits} PTQ"):
+        sim = calibrated(config.weight_bits)
+        clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
+        results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+        results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+    with phase(f"W{config.weight_bits} QAT"):
+        train_start = time.perf_counter()
+        history = train_student(sim, teacher, train, config, sliding_window, device)
+        train_s = time.perf_counter() - train_start
+        recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
+        results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+        results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
 
     # 3. the MTP Drafter artifacts
-    drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)
+    with phase("drafter graphs"):
+        drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)
     # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
     # between the graph and the full student is the 16-bit grid, not range clipping.
-    parity = graph_parity(out, head, sim, keep_ids, calib[0], drafter["spec"], config)
+    with phase("graph parity"):
+        parity = graph_parity(out, head, sim, keep_ids, calib[0], drafter["spec"], config)
 
     report = {
         "agreement": results,
@@ -202,6 +215,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         "input_ranges": ranges,
         "parity": parity,
         "drafter": {k: v for k, v in drafter.items() if k != "spec"},
+        "phases": phase.rows,
         "wall_s": round(time.perf_counter() - start, 2),
     }
     write_json(out / "report.json", report)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,7 @@ def test_stale_temp_of_a_killed_process_is_removed(tmp_path):
         folder.mkdir()
         (folder / "half.bin").write_bytes(b"x" * 10)
     (tmp_path / f".stage.old-{_dead_pid()}").mkdir()
+    (tmp_path / f".stage.scratch-{_dead_pid()}").mkdir()
     run_stage("s", out, {"a": 1}, {}, _build({"x.txt": "hello"}))
     names = sorted(p.name for p in tmp_path.iterdir())
     # a live process's temp folder may be a concurrent build: it stays
@@ -205,3 +207,32 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents():
     assert peak_rss_mb() > 600
     assert 1 < child < 300, f"child reported {child:.0f} MiB"
     del ballast
+
+
+def test_a_stage_s_temp_files_live_beside_its_folder_and_go_with_it(tmp_path):
+    """Inside run_stage, tempfile (and TMPDIR, for child processes) point at `.NAME.scratch-PID`
+    beside the stage folder: a kill -9 leaves the scratch where the next run removes it (the
+    stale-temp test above), and a finished or failed stage removes it itself."""
+    import os
+    import tempfile
+
+    before = tempfile.gettempdir(), os.environ.get("TMPDIR")
+    seen = {}
+
+    def build(tmp):
+        seen["mkdtemp"] = Path(tempfile.mkdtemp(prefix="hyco-x-"))
+        seen["TMPDIR"] = os.environ["TMPDIR"]
+        (seen["mkdtemp"] / "big.bin").write_bytes(b"x" * 10)
+        (tmp / "x.txt").write_text("hello")
+        if seen.get("fail"):
+            raise RuntimeError("stage failed")
+
+    run_stage("s", tmp_path / "stage", {"a": 1}, {}, build)
+    scratch = tmp_path / f".stage.scratch-{os.getpid()}"
+    assert seen["mkdtemp"].parent == scratch and seen["TMPDIR"] == str(scratch)
+    assert not scratch.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["stage"]
+    assert (tempfile.gettempdir(), os.environ.get("TMPDIR")) == before
+    seen["fail"] = True
+    with pytest.raises(RuntimeError):
+        run_stage("s", tmp_path / "stage", {"a": 2}, {}, build)
+    assert not scratch.exists() and (tempfile.gettempdir(), os.environ.get("TMPDIR")) == before

@@ -51,6 +51,14 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
         assert s["peak_rss_mb"] >= manifest["peak_rss_mb"] - 1, (s, manifest["peak_rss_mb"])
         assert 100 < s["peak_rss_mb"] < 8192 and 0 < s["wall_s"] >= manifest["wall_s"], (s, manifest["wall_s"])
         assert (tmp_path / "logs" / f"{s['stage']}.log").is_file()
+        if s["stage"] in ("qat", "calibrate"):  # the stage's own phase log, from its report, in the child's log
+            phases = s["phases"]
+            assert len(phases) >= 6 and phases == json.loads((run / s["stage"] / "report.json").read_text())["phases"]
+            assert sum(v["wall_s"] for v in phases.values()) <= s["wall_s"]
+            peaks = [v["peak_rss_mb"] for v in phases.values()]
+            assert peaks == sorted(peaks) and peaks[-1] <= manifest["peak_rss_mb"] + 1, peaks
+            log = (tmp_path / "logs" / f"{s['stage']}.log").read_text()
+            assert all(f"{s['stage']}: {name} " in log for name in phases), log[-2000:]
     t = report["totals"]
     assert t["all_passed"] and t["wall_s"] == pytest.approx(sum(s["wall_s"] for s in report["stages"]), abs=0.2)
     assert t["peak_rss_mb"] == max(s["peak_rss_mb"] for s in report["stages"])

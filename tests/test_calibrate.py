@@ -733,3 +733,161 @@ def test_calibrator_weight_taps_as_constants_give_the_ranges_onnxruntime_measure
     path = _augmented(model, tmp_path / "synthetic")
     feeds = [{"x": rng.standard_normal((3, 64)).astype(np.float32)} for _ in range(2)]
     assert _taps_as_constants_agree(path, feeds) == 4
+
+
+def _augmented_graph(model_path: Path, augment) -> onnx.GraphProto:
+    """The calibrator's augmented graph of `model_path` as `augment(calibrater)` builds it, its
+    random reshape-shape name replaced by a fixed one."""
+    from onnxruntime.quantization.calibrate import CalibraterBase, MinMaxCalibrater
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    ops = sorted({n.op_type for n in model.graph.node} - {"QuantizeLinear", "DequantizeLinear", "Cast"})
+    original = CalibraterBase.create_inference_session
+    CalibraterBase.create_inference_session = lambda self: None  # the graph only
+    try:
+        out = model_path.with_name(f"augmented-{augment.__name__}.onnx")
+        calibrater = MinMaxCalibrater(str(model_path), op_types_to_calibrate=ops, use_external_data_format=True,
+                                      augmented_model_path=str(out))
+        augment(calibrater)
+    finally:
+        CalibraterBase.create_inference_session = original
+    graph = onnx.load(str(out), load_external_data=False).graph
+    shapes = [t.name for t in graph.initializer if t.name not in {i.name for i in model.graph.initializer}]
+    assert len(shapes) == 1  # the [-1] reshape shape, named by uuid4
+    fixed = "0" * len(shapes[0])  # same length: protobuf's length prefixes stay valid
+    text = graph.SerializeToString().replace(shapes[0].encode(), fixed.encode())
+    result = onnx.GraphProto()
+    result.ParseFromString(text)
+    return result
+
+
+def test_linear_augment_builds_onnxruntimes_calibration_graph(tiny_calibrated, tmp_path):
+    """Issue 13: onnxruntime's MinMax calibrator rescans the node list per tapped tensor (minutes
+    per E2B graph); `augment_graph_linear` must build the very same graph: every node, in the same
+    order, every output, on the tiny tree graph as calibrate prepares it (taps in front of each
+    tensor's first reader) and on a graph with a tapped tensor no node reads (taps at the end)."""
+    from hyco.calibrate.quantize import augment_graph_linear
+    from onnx import TensorProto, helper
+    from onnxruntime.quantization.calibrate import MinMaxCalibrater
+
+    convert = Path(tiny_calibrated) / "convert"
+    (tmp_path / "tree").mkdir()
+    prepare.save(prepare.prepare_slm(onnx.load(str(convert / "tree.onnx"))), tmp_path / "tree" / "model.onnx")
+    # y is both read (by Relu) and a graph output; z is read by nothing
+    nodes = [helper.make_node("Mul", ["x", "x"], ["y"], name="mul"), helper.make_node("Relu", ["y"], ["z"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("y", "z")])
+    (tmp_path / "small").mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "small" / "model.onnx")
+    for folder in ("tree", "small"):
+        path = tmp_path / folder / "model.onnx"
+        theirs = _augmented_graph(path, MinMaxCalibrater.augment_graph)
+        ours = _augmented_graph(path, augment_graph_linear)
+        taps = [n for n in theirs.node if n.op_type in ("ReduceMin", "ReduceMax")]
+        assert len(taps) >= (40 if folder == "tree" else 6)
+        assert [n.SerializeToString() for n in ours.node] == [n.SerializeToString() for n in theirs.node]
+        assert [o.SerializeToString() for o in ours.output] == [o.SerializeToString() for o in theirs.output]
+        assert sorted(t.name for t in ours.initializer) == sorted(t.name for t in theirs.initializer)
+    assert [n.name for n in theirs.node][-4:] == ["z_ReduceMax", "z_ReduceMax_Reshape", "z_ReduceMin", "z_ReduceMin_Reshape"]
+
+
+def test_prepare_with_weights_on_disk_writes_the_in_memory_graph(tiny_calibrated, tmp_path):
+    """Issue 13: calibrate prepares each graph with its integer weights on disk (`load_graph`,
+    transposed weights streamed out as made, `save_streamed`), one weight in memory at a time
+    (the in-memory passes peaked at 6 GB on E2B). The file it writes holds the graph the
+    in-memory passes make: every node, input and output, every initializer's values and type."""
+    from onnx.external_data_helper import uses_external_data
+
+    convert = Path(tiny_calibrated) / "convert"
+    for name in ("tree.onnx", "prefill.onnx"):
+        (tmp_path / "memory").mkdir(exist_ok=True)
+        (tmp_path / "disk").mkdir(exist_ok=True)
+        prepare.save(prepare.prepare_slm(onnx.load(str(convert / name))), tmp_path / "memory" / name)
+        path = tmp_path / "disk" / name
+        with prepare.WeightFile(path) as weights:
+            model = prepare.load_graph(convert / name)
+            on_disk = [t.name for t in model.graph.initializer if uses_external_data(t)]
+            assert len(on_disk) >= 8  # the tiny graphs' weights take the disk path too
+            assert not any(t.data_type == onnx.TensorProto.FLOAT and uses_external_data(t) for t in model.graph.initializer)
+            model = prepare.prepare_slm(model, convert, weights)
+            prepare.save_streamed(model, convert, path, weights=weights)
+        want, got = onnx.load(str(tmp_path / "memory" / name)), onnx.load(str(path))
+        for field in ("node", "input", "output"):
+            assert [x.SerializeToString() for x in getattr(got.graph, field)] == \
+                   [x.SerializeToString() for x in getattr(want.graph, field)], (name, field)
+        assert [t.name for t in got.graph.initializer] == [t.name for t in want.graph.initializer]
+        for a, b in zip(got.graph.initializer, want.graph.initializer, strict=True):
+            x, y = onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b)
+            assert a.data_type == b.data_type and x.dtype == y.dtype and np.array_equal(x, y), a.name
+
+
+def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_path):
+    """Issue 13: calibrate's evaluation walks the float driver first, recording each round's trees
+    and commits (`lockstep(script=...)`), then the QDQ driver over the same rounds
+    (`replay=...`), so only two graphs' sessions are open at a time. Each driver records the very
+    passes it records walking in lockstep with the other. The replay gets an rng of another seed:
+    a replay that drew its own commits or built its own trees would record other passes."""
+    from hyco.calibrate.drive import cpu_session, lockstep, slm_driver
+    from hyco.vocab.keepset import load_keep_set
+
+    run = Path(tiny_calibrated)
+    convert = run / "convert"
+    keep = np.asarray(load_keep_set(run / "vocab" / "keep_set.json").token_ids)
+
+    def qdq():
+        return slm_driver(convert, keep, {g: cpu_session(run / "calibrate" / f"{g}.parity.qdq.onnx")
+                                          for g in ("tree", "prefill")})
+
+    prompt, answer = [2, 40, 41, 42, 43], [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    together = [slm_driver(convert, keep), qdq()]
+    lockstep(together, prompt, answer, chain_depth=2, topk=4, rng=np.random.default_rng(0))
+    script: list = []
+    first = slm_driver(convert, keep)
+    lockstep([first], prompt, answer, chain_depth=2, topk=4, rng=np.random.default_rng(0), script=script)
+    second = qdq()
+    rounds = lockstep([second], prompt, answer, chain_depth=2, topk=4, rng=np.random.default_rng(99), replay=script)
+    assert rounds == len(script) >= 3
+    for want, got in zip(together, (first, second), strict=True):
+        for graph in ("tree", "prefill"):
+            a, b = getattr(want, f"{graph}_session").passes, getattr(got, f"{graph}_session").passes
+            assert len(a) == len(b) > 0
+            for (fa, oa), (fb, ob) in zip(a, b, strict=True):
+                assert fa.keys() == fb.keys() and all(np.array_equal(fa[k], fb[k]) for k in fa)
+                assert oa.keys() == ob.keys() and all(np.array_equal(oa[k], ob[k]) for k in oa)
+
+
+def test_lean_quantizer_writes_the_graph_onnxruntimes_own_quantize_writes(tiny_calibrated, tmp_path):
+    """Issue 13: `quantize_graph` runs onnxruntime's calibrator and quantizer with their costly
+    parts replaced (`_lean_quantizer`: weightless calibrator model, linear augmentation, constant
+    weight taps, priority order, no arena, faster reader renames and initializer lookups). The
+    QDQ graph it writes equals the one onnxruntime's unpatched code writes from the same feeds:
+    every node and every initializer, bit for bit (tiny tree graph as calibrate prepares it,
+    three random passes, the KV and mask overrides calibrate gives it)."""
+    from hyco.calibrate.quantize import mask_qparams, quantize_graph
+    from onnxruntime.quantization import QuantType
+
+    convert = Path(tiny_calibrated) / "convert"
+    spec = read_io_spec(convert / "io_spec.json")["tree.onnx"]
+    prepared = tmp_path / "tree.prepared.onnx"
+    prepare.save(prepare.prepare_slm(onnx.load(str(convert / "tree.onnx"))), prepared)
+    feeds = [random_feeds(spec, seed=s) for s in range(3)]
+    scale, zero = mask_qparams(-50.0)
+    overrides = {t.name: [{"quant_type": QuantType.QUInt16, "scale": np.array(scale, np.float32),
+                           "zero_point": np.array(zero, np.uint16)}] for t in spec.inputs if t.name.startswith("mask_")}
+    ring = next(t.name for t in spec.inputs if t.name.startswith("k_ring_"))
+    overrides[ring] = [{"quant_type": QuantType.QUInt8, "scale": np.array(0.02, np.float32),
+                        "zero_point": np.array(128, np.uint8)}]
+    graphs = {}
+    for lean in (True, False):
+        out = tmp_path / f"lean-{lean}" / "tree.qdq.onnx"
+        out.parent.mkdir()
+        quantize_graph(prepared, out, feeds, overrides={k: [dict(v[0])] for k, v in overrides.items()},
+                       method="minmax", percentile=99.99, activation_bits=16, lean=lean)
+        graphs[lean] = onnx.load(str(out))
+    ours, theirs = graphs[True].graph, graphs[False].graph
+    assert len(theirs.node) > 3 * sum(1 for n in theirs.node if n.op_type == "MatMul")  # QDQ everywhere
+    assert [n.SerializeToString() for n in ours.node] == [n.SerializeToString() for n in theirs.node]
+    assert [t.name for t in ours.initializer] == [t.name for t in theirs.initializer]
+    for a, b in zip(ours.initializer, theirs.initializer, strict=True):
+        assert a.data_type == b.data_type and np.array_equal(onnx.numpy_helper.to_array(a),
+                                                             onnx.numpy_helper.to_array(b)), a.name

@@ -25,11 +25,11 @@ SEED = 20261130
 EXTRA_KILLS = 2  # besides one kill per stage: two more, in stages drawn at random
 
 
-def _run_until_killed(out, stages: list[str], stage: str, delay: float) -> tuple[str, float]:
+def _run_until_killed(out, stages: list[str], stage: str, delay: float, env: dict) -> tuple[str, float]:
     """Start the run; once `stage` starts, wait `delay` seconds and SIGKILL its process group (the
     run and any helper process it started). Returns the stage it was in when killed ("finished"
     if the whole run ended first) and how long it ran."""
-    proc = subprocess.Popen(run_command(out), env=run_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(run_command(out), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     current, started = None, time.monotonic()
     try:
@@ -55,9 +55,14 @@ def _run_until_killed(out, stages: list[str], stage: str, delay: float) -> tuple
 
 
 @pytest.mark.slow
-def test_kill9_inside_every_stage_then_rerun_equals_an_uninterrupted_run(reference_run):
+def test_kill9_inside_every_stage_then_rerun_equals_an_uninterrupted_run(reference_run, tmp_path):
     reference, out = reference_run
     shutil.rmtree(out, ignore_errors=True)
+    # The killed runs' TMPDIR: a killed stage's scratch (spilled passes, quantizer temps) must sit
+    # beside its stage folder, where the rerun removes it, not here (nothing removes it here).
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    env = {**run_env(), "TMPDIR": str(system_tmp)}
     rng = random.Random(SEED)
     stages = [row["stage"] for row in json.loads((reference / "run_report.json").read_text())["stages"]]
     assert stages[-2:] == ["export", "check"], stages  # the QNN compile is killed too
@@ -70,16 +75,18 @@ def test_kill9_inside_every_stage_then_rerun_equals_an_uninterrupted_run(referen
             if (out / stage / "manifest.json").is_file():
                 continue  # (an extra kill drawn for a stage that got through meanwhile)
             delay = rng.uniform(0.0, 0.6 * wall[stage])  # inside the stage even on a faster rerun
-            where, ran = _run_until_killed(out, stages, stage, delay)
+            where, ran = _run_until_killed(out, stages, stage, delay, env)
             kills.append({"stage": stage, "delay_s": round(delay, 2), "killed_in": where, "ran_s": round(ran, 1),
-                          "leftovers": sorted(p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+                          "leftovers": sorted(p.name for p in out.iterdir() if p.name.startswith("."))
                           if out.exists() else []})
         killed_in = {k["killed_in"] for k in kills}
         print("kills:", json.dumps(kills))
         # every stage was killed at least once while it was running
         assert killed_in >= set(stages), kills
-        done = subprocess.run(run_command(out), env=run_env(), capture_output=True, text=True, timeout=900)
+        done = subprocess.run(run_command(out), env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
+        assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "stale temps left after the rerun"
+        assert not list(system_tmp.iterdir()), f"killed stages left files in TMPDIR: {sorted(system_tmp.iterdir())}"
         diffs = differences(reference, out)
         assert not diffs, "\n".join(diffs + [json.dumps(kills)])
     finally:
