@@ -270,23 +270,16 @@ def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
     the same every pass, so it is computed once here, exactly: DequantizeLinear is (q - z) * s in
     float32, monotonic in q for each channel's s, so each channel's extremes are the products at
     its extreme codes. The weights are read from `folder` one at a time; the model stays weightless."""
-    from hyco.calibrate.prepare import _int_array
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    from hyco.calibrate.prepare import _int_array, loaded
 
     graph = model.graph
     inits = _inits(model)
 
-    def loaded(name: str) -> onnx.TensorProto:
-        t = onnx.TensorProto()
-        t.CopyFrom(inits[name])
-        if uses_external_data(t):
-            load_external_data_for_tensor(t, str(folder))
-        return t
-
     def extremes(dq) -> tuple[np.float32, np.float32]:
-        q = _int_array(loaded(dq.input[0]))
-        s = numpy_helper.to_array(loaded(dq.input[1])).astype(np.float32)
-        z = numpy_helper.to_array(loaded(dq.input[2])).astype(np.int32) if len(dq.input) > 2 and dq.input[2] else np.int32(0)
+        q = _int_array(loaded(inits[dq.input[0]], folder))
+        s = numpy_helper.to_array(loaded(inits[dq.input[1]], folder)).astype(np.float32)
+        z = numpy_helper.to_array(loaded(inits[dq.input[2]], folder)).astype(np.int32) \
+            if len(dq.input) > 2 and dq.input[2] else np.int32(0)
         if s.ndim == 0:
             q_lo, q_hi = q.min(), q.max()
         else:
