@@ -90,6 +90,12 @@ def measure(cmd: list[str], log: Path) -> dict:
             "rc": proc.returncode}
 
 
+def stage_manifest_peak(folder: Path) -> float:
+    """The stage's own peak RSS figure (manifest.json, workers included), or 0 if it wrote none."""
+    manifest = folder / "manifest.json"
+    return float(json.loads(manifest.read_text()).get("peak_rss_mb", 0)) if manifest.is_file() else 0.0
+
+
 def stage_phases(folder: Path) -> dict:
     """The stage's own phase log (report.json "phases": wall seconds, peak RSS so far), if any."""
     report = folder / "report.json"
@@ -220,9 +226,12 @@ def summary_md(report: dict) -> str:
           ""]
     for st in report["stages"]:
         if st.get("phases"):
-            md += [f"{st['stage']} by phase (peak RSS: the process's so far, so the phase where it rises set it):", "",
-                   markdown_table([{"phase": k, "wall_s": v["wall_s"], "peak_rss_mib_so_far": round(v["peak_rss_mb"])}
-                                   for k, v in st["phases"].items()], ["phase", "wall_s", "peak_rss_mib_so_far"]), ""]
+            md += [f"{st['stage']} by phase (peak RSS: the process's so far, so the phase where it rises set it; "
+                   "RSS at end: what the phase left for the next):", "",
+                   markdown_table([{"phase": k, "wall_s": v["wall_s"], "peak_rss_mib_so_far": round(v["peak_rss_mb"]),
+                                    "rss_mib_at_end": round(v["rss_mb"]) if "rss_mb" in v else "-"}
+                                   for k, v in st["phases"].items()],
+                                  ["phase", "wall_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
     if report.get("fixtures"):
         f = report["fixtures"]
         md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")
@@ -328,6 +337,9 @@ def main() -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--stage", stage, "--recipe",
                str(recipe), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s))]
         m = measure(cmd, logs / f"{stage}.log")
+        # wait4 gives the largest single process; a stage that waits on a worker (export's
+        # compiles) counts the worker's peak plus its own RSS in its manifest: the larger is reported
+        m["peak_rss_mb"] = max(m["peak_rss_mb"], stage_manifest_peak(run_dir / stage))
         written, files = folder_bytes(run_dir / stage)
         row = {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,
                "load_avg_after": load_average(), "phases": stage_phases(run_dir / stage)}

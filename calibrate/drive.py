@@ -27,8 +27,8 @@ import numpy as np
 
 
 def cpu_session(path: Path, providers=("CPUExecutionProvider",)):
-    """onnxruntime CPU session as `convert.export_onnx.ort_session` (optimisations off, weights
-    dequantized just before their MatMul), without the CPU memory arena: with it, a session
+    """onnxruntime CPU session as `convert.export_onnx.ort_session` (optimisations off, INT4
+    weights multiplied packed, the others dequantized just before their MatMul), without the CPU memory arena: with it, a session
     keeps the high-water mark of every pass and grows further pass after pass (convert's 4-layer
     E2B-wide tree.onnx, 176 MB of weights: 2.8 GB after two passes, 0.25 GB without the arena);
     the outputs are the same (allocation only)."""

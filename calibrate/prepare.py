@@ -41,6 +41,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from hyco.onnx_graph import consumers as graph_consumers
+
 FOLD_MAX_ELEMENTS = 4096  # fold constant subgraphs up to this size (shapes, small tables; never weights)
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 INT_WEIGHT_TYPES = (TensorProto.INT4, TensorProto.INT8, TensorProto.UINT4, TensorProto.UINT8, TensorProto.INT2)
@@ -53,14 +55,6 @@ def _unique(graph: onnx.GraphProto, base: str) -> str:
         k += 1
         name = f"{base}_{k}"
     return name
-
-
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    out: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for x in node.input:
-            out.setdefault(x, []).append(node)
-    return out
 
 
 def _int_array(t: onnx.TensorProto) -> np.ndarray:
@@ -78,6 +72,16 @@ def _int_tensor(name: str, values: np.ndarray, data_type: int) -> onnx.TensorPro
 
         return helper.make_tensor(name, TensorProto.INT4, values.shape, pack_int4(values), raw=True)
     return numpy_helper.from_array(values, name)
+
+
+def _transposed_ints(name: str, t: onnx.TensorProto) -> onnx.TensorProto:
+    """A 2-D integer initializer's transpose (INT4: nibble by nibble, never unpacked)."""
+    if t.data_type == TensorProto.INT4:
+        from hyco.convert.export_onnx import transpose_int4
+
+        rows, cols = t.dims
+        return helper.make_tensor(name, TensorProto.INT4, [cols, rows], transpose_int4(t.raw_data, (rows, cols)), raw=True)
+    return _int_tensor(name, _int_array(t).T.copy(), t.data_type)
 
 
 def _run_node(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
@@ -141,7 +145,7 @@ def fold_weight_transposes(model: onnx.ModelProto, folder=None, weights: WeightF
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    consumers = _consumers(graph)
+    consumers = graph_consumers(graph)
     producer = {o: n for n in graph.node for o in n.output}
     drop, replace = set(), {}
     for node in list(graph.node):
@@ -156,8 +160,7 @@ def fold_weight_transposes(model: onnx.ModelProto, folder=None, weights: WeightF
         axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
         if len(ints_t.dims) != 2 or axis != 0:
             continue
-        values = _int_array(loaded(ints_t, folder)).T.copy()
-        new_ints = _int_tensor(_unique(graph, ints_t.name + "_t"), values, ints_t.data_type)
+        new_ints = _transposed_ints(_unique(graph, ints_t.name + "_t"), loaded(ints_t, folder))
         graph.initializer.append(weights.put(new_ints) if weights is not None else new_ints)
         new_inputs = [new_ints.name, *dq.input[1:]]
         replace[node.output[0]] = helper.make_node("DequantizeLinear", new_inputs, [node.output[0]],
@@ -206,7 +209,7 @@ def srq_int8_as_uint16(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    consumers = _consumers(graph)
+    consumers = graph_consumers(graph)
     producer = {o: n for n in graph.node for o in n.output}
     out = []
     for node in graph.node:
@@ -243,7 +246,7 @@ def gelu_tanh_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    consumers = _consumers(graph)
+    consumers = graph_consumers(graph)
     producer = {o: n for n in graph.node for o in n.output}
 
     def is_one(name: str) -> bool:
@@ -297,7 +300,7 @@ def strip_input_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = {i.name for i in graph.input}
-    consumers = _consumers(graph)
+    consumers = graph_consumers(graph)
     params, drop, rename = {}, set(), {}
     for q in graph.node:
         if q.op_type != "QuantizeLinear" or q.input[0] not in inputs:

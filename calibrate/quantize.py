@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from hyco.onnx_graph import consumers as graph_consumers
+
 
 class FeedReader:
     """onnxruntime CalibrationDataReader over recorded feed dicts."""
@@ -87,10 +89,7 @@ def htp_encoding_violations(model: onnx.ModelProto) -> list[str]:
     is below HTP_RECIPROCAL_MIN_TOP."""
     inits = _inits(model)
     producer = {o: n for n in model.graph.node for o in n.output}
-    consumers: dict[str, list] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            consumers.setdefault(x, []).append(n)
+    consumers = graph_consumers(model.graph)
 
     def grid(q) -> tuple[float, float]:
         scale = float(numpy_helper.to_array(inits[q.input[1]]))
@@ -118,10 +117,12 @@ def htp_encoding_violations(model: onnx.ModelProto) -> list[str]:
 
 
 def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]], *, overrides: dict,
-                   method: str, percentile: float, activation_bits: int, lean: bool = True) -> Path:
+                   method: str, percentile: float, activation_bits: int, lean: bool = True,
+                   int4_matmul: bool = True) -> Path:
     """ORT QDQ quantization of `prepared` (a model file with external data) into `out`. `lean`:
     through `_lean_quantizer` (False: onnxruntime's own code paths, for the test that holds the
-    two to the same graph)."""
+    two to the same graph); `int4_matmul`: its calibration session multiplies INT4 weights packed
+    (`convert.int4_matmul`; False: as onnxruntime's own session does, bit for bit)."""
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -137,7 +138,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
         cfg.extra_options["CalibPercentile"] = percentile
     cfg.use_external_data_format = True
     Path(f"{out}.data").unlink(missing_ok=True)  # onnx appends external data to an existing file
-    with _lean_quantizer(Path(prepared).parent) if lean else nullcontext():
+    with _lean_quantizer(Path(prepared).parent, int4_matmul) if lean else nullcontext():
         quantize(str(prepared), str(out), cfg)
     del cfg
     gc.collect()  # the quantizer's model copies sit in reference cycles: free them before the next graph
@@ -151,7 +152,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
 
 
 @contextmanager
-def _lean_quantizer(weights: Path):
+def _lean_quantizer(weights: Path, int4_matmul: bool = True):
     """onnxruntime's calibrator and QDQ quantizer, minus what makes them cost minutes and GBs at
     E2B size, writing the same graph (tests/test_calibrate.py holds `quantize_graph` to
     onnxruntime's unpatched `quantize`, and the augmented graph to its own):
@@ -185,7 +186,7 @@ def _lean_quantizer(weights: Path):
         model = onnx.load(self.augmented_model_path, load_external_data=False)
         constant_weight_taps(model, weights)
         self.infer_session = session_for(model, weights, arena=False, providers=self.execution_providers,
-                                         priority_order=True)
+                                         priority_order=True, int4_matmul=int4_matmul)
 
     ort_augment = calibrate.MinMaxCalibrater.augment_graph
 
@@ -261,6 +262,34 @@ def augment_graph_linear(self) -> None:
     onnx.save(self.model, self.augmented_model_path)  # weightless (`_lean_quantizer`): references only
 
 
+# a byte of ONNX INT4 -> its low / high nibble's signed value
+_NIBBLE = np.where(np.arange(16) >= 8, np.arange(16) - 16, np.arange(16)).astype(np.int8)
+_LOW, _HIGH = _NIBBLE[np.arange(256) & 15], _NIBBLE[np.arange(256) >> 4]
+
+
+def int_extremes(ints: onnx.TensorProto, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest and largest integer of a loaded integer initializer, per index of `axis` (None:
+    of the whole tensor). A 2-D INT4 one with even dims is read byte by byte through nibble
+    tables (unpacking E2B's 2 G INT4 weights to int8 took ~13 s of each graph's calibration)."""
+    from hyco.calibrate.prepare import _int_array
+
+    if ints.data_type == TensorProto.INT4 and len(ints.dims) == 2 and ints.dims[0] % 2 == 0 and ints.dims[1] % 2 == 0:
+        b = np.frombuffer(ints.raw_data, np.uint8).reshape(ints.dims[0], ints.dims[1] // 2)
+        low, high = _LOW[b], _HIGH[b]  # columns 2m and 2m + 1
+        if axis is None:
+            return min(low.min(), high.min()), max(low.max(), high.max())
+        if axis == 0:
+            return np.minimum(low.min(1), high.min(1)), np.maximum(low.max(1), high.max(1))
+        lo, hi = np.empty(ints.dims[1], np.int8), np.empty(ints.dims[1], np.int8)
+        lo[0::2], lo[1::2], hi[0::2], hi[1::2] = low.min(0), high.min(0), low.max(0), high.max(0)
+        return lo, hi
+    q = _int_array(ints)
+    if axis is None:
+        return q.min(), q.max()
+    others = tuple(i for i in range(q.ndim) if i != axis)
+    return q.min(axis=others), q.max(axis=others)
+
+
 def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
     """The calibrator's ReduceMin/ReduceMax taps on a weight DequantizeLinear's output, as constants
     (in place; returns how many). onnxruntime runs those taps late in a pass, so every fp32 weight
@@ -270,22 +299,18 @@ def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
     the same every pass, so it is computed once here, exactly: DequantizeLinear is (q - z) * s in
     float32, monotonic in q for each channel's s, so each channel's extremes are the products at
     its extreme codes. The weights are read from `folder` one at a time; the model stays weightless."""
-    from hyco.calibrate.prepare import _int_array, loaded
+    from hyco.calibrate.prepare import loaded
 
     graph = model.graph
     inits = _inits(model)
 
     def extremes(dq) -> tuple[np.float32, np.float32]:
-        q = _int_array(loaded(inits[dq.input[0]], folder))
+        ints = loaded(inits[dq.input[0]], folder)
         s = numpy_helper.to_array(loaded(inits[dq.input[1]], folder)).astype(np.float32)
         z = numpy_helper.to_array(loaded(inits[dq.input[2]], folder)).astype(np.int32) \
             if len(dq.input) > 2 and dq.input[2] else np.int32(0)
-        if s.ndim == 0:
-            q_lo, q_hi = q.min(), q.max()
-        else:
-            axis = next((a.i for a in dq.attribute if a.name == "axis"), 1) % q.ndim
-            others = tuple(i for i in range(q.ndim) if i != axis)
-            q_lo, q_hi = q.min(axis=others), q.max(axis=others)
+        axis = None if s.ndim == 0 else next((a.i for a in dq.attribute if a.name == "axis"), 1) % len(ints.dims)
+        q_lo, q_hi = int_extremes(ints, axis)
         ends = [(np.asarray(e, np.int32) - z).astype(np.float32) * s for e in (q_lo, q_hi)]
         return min(e.min() for e in ends), max(e.max() for e in ends)
 

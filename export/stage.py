@@ -90,7 +90,7 @@ def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path, vo
 def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], config: ExportConfig,
                    phase: Phases | None = None) -> dict[str, Any]:
     from hyco.export.bundle import check_binary_io, weight_bytes
-    from hyco.export.qnn import compile_context
+    from hyco.export.qnn import compile_isolated
     from hyco.export.qnn_system import binary_info
     from hyco.export.split import split_graph
 
@@ -114,7 +114,7 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
         for i, (graph, part_spec) in enumerate(parts):
             stem = role if len(parts) == 1 else f"{role}.part{i}"
             with phase(f"compile {stem}") if phase else contextlib.nullcontext():
-                compiled = shared.get(role) or compile_context(graph, bundle, stem, soc_model=config.soc_model)
+                compiled = shared.get(role) or compile_isolated(graph, bundle, stem, soc_model=config.soc_model)
             info = binary_info(compiled.binary)
             check_binary_io(info, part_spec, str(compiled.binary), str(calibrate / "io_spec.json"))
             rows.append({"context": compiled.context.name, "binary": compiled.binary.name,

@@ -74,19 +74,48 @@ def peak_rss_mb() -> float:
 
     Reads VmHWM, the high-water mark of this process's own address space. Not ru_maxrss: Linux
     carries that across fork and exec, and Python's subprocess starts children with vfork, so a
-    child of a 2 GiB pytest reports 2 GiB before it has done anything (CI, stop 15).
+    child of a 2 GiB pytest reports 2 GiB before it has done anything (CI, stop 15). VmHWM is
+    max(the kernel's high-water mark, the RSS now), and the kernel updates its mark lazily, so a
+    later read can be lower than an earlier one (784.8 then 784.7 MiB, a tiny calibrate's phases):
+    the highest figure read so far is returned.
     """
+    global _highest_rss_mb
+    peak = None
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # no procfs: KiB, but bytes on macOS
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+                peak = int(line.split()[1]) / 1024  # kB
+    if peak is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # no procfs: KiB, but bytes on macOS
+        peak = peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    if _highest_rss_mb[0] != os.getpid():  # a forked child starts its own count
+        _highest_rss_mb = (os.getpid(), 0.0)
+    _highest_rss_mb = (os.getpid(), max(_highest_rss_mb[1], peak))
+    return _highest_rss_mb[1]
+
+
+_highest_rss_mb = (os.getpid(), 0.0)
+
+
+def note_child_peak(child_mb: float) -> None:
+    """A worker process this one waited for peaked at `child_mb`: from now on `peak_rss_mb` is at
+    least that plus this process's RSS now (the two together, an upper bound of their sum)."""
+    global _highest_rss_mb
+    peak_rss_mb()  # start this process's own count first
+    _highest_rss_mb = (os.getpid(), max(_highest_rss_mb[1], rss_mb() + child_mb))
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now, in MiB (what a phase leaves behind for the next)."""
+    with contextlib.suppress(OSError):
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return 0.0
 
 
 class Phases:
-    """Wall seconds and the process's peak RSS so far at the end of each named phase of a stage,
-    for its report: the phase where `peak_rss_mb` jumps is the one that set the stage's peak.
+    """Wall seconds, the process's peak RSS so far and its RSS now at the end of each named phase
+    of a stage, for its report: the phase where `peak_rss_mb` jumps is the one that set the
+    stage's peak; `rss_mb` is what the phase left behind.
     Each finished phase is also logged at INFO on `hyco.phases` (bench/bench_fullsize.py shows
     them; the CLI keeps stderr for errors)."""
 
@@ -97,10 +126,11 @@ class Phases:
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         yield
-        row = {"wall_s": round(time.perf_counter() - start, 2), "peak_rss_mb": round(peak_rss_mb(), 1)}
+        row = {"wall_s": round(time.perf_counter() - start, 2), "peak_rss_mb": round(peak_rss_mb(), 1),
+               "rss_mb": round(rss_mb(), 1)}
         self.rows[name] = row
-        logging.getLogger("hyco.phases").info("%s: %s %s s, peak RSS so far %.0f MiB", self.stage, name,
-                                              row["wall_s"], row["peak_rss_mb"])
+        logging.getLogger("hyco.phases").info("%s: %s %s s, peak RSS so far %.0f MiB, RSS at its end %.0f MiB",
+                                              self.stage, name, row["wall_s"], row["peak_rss_mb"], row["rss_mb"])
 
 
 def write_json(path: Path, obj: Any) -> Path:

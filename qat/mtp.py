@@ -10,7 +10,10 @@ QuantSim wraps for training.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -91,16 +94,40 @@ def require_plain_output_layer(config, where: str | None = None) -> None:
                         "compute the plain lm_head over the keep set, so this head is not supported")
 
 
-def restricted_lm_head(head: nn.Module, keep_ids: torch.Tensor | None) -> nn.Linear:
-    """An untied copy of the head's output layer, cut to the keep set (rows in keep order)."""
+def restricted_lm_head(head: nn.Module, keep_ids: torch.Tensor | None, rows: nn.Linear | None = None) -> nn.Linear:
+    """An untied copy of the head's output layer, cut to the keep set (rows in keep order).
+    `rows`: a layer already cut to it (the teacher's), copied instead."""
     require_plain_output_layer(head.config)
-    weight = head.lm_head.weight.detach()
-    if keep_ids is not None:
+    weight = head.lm_head.weight.detach() if rows is None else rows.weight.detach()
+    if keep_ids is not None and rows is None:
         weight = weight[keep_ids.to(weight.device)]
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         layer.weight.copy_(weight)
     return layer
+
+
+@contextlib.contextmanager
+def output_table_on_disk(head: nn.Module, folder: Path) -> Iterator[None]:
+    """The head's full-vocabulary tables (its output layer and the embedding tied to it) moved to
+    `folder` for the block, then read back. Between the teacher's keep-set copy and graph parity's
+    transformers reference nothing reads them (students copy the teacher's rows): at the 26B-A4B
+    assistant's size, 262,144 x 1,024 fp32 = 1.07 GB off the QAT's peak. The Parameters stay
+    (ties and module structure unchanged); only their storage goes."""
+    layers = [m for m in (head.lm_head, getattr(head.model, "embed_tokens", None)) if m is not None]
+    params = list({id(p): p for m in layers for p in m.parameters()}.values())
+    saved = []
+    try:
+        for i, p in enumerate(params):
+            path = Path(folder) / f"output_table_{i}.pt"
+            torch.save(p.detach(), path)
+            saved.append((p, path))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        yield
+    finally:
+        for p, path in saved:
+            p.data = torch.load(path, map_location=p.device)
+            path.unlink()
 
 
 class TeacherForcedHead(nn.Module):
@@ -112,12 +139,12 @@ class TeacherForcedHead(nn.Module):
     Submodule names follow the HF head (`model.layers.0.self_attn.q_proj`, ...).
     """
 
-    def __init__(self, head: nn.Module, keep_ids: torch.Tensor | None = None):
+    def __init__(self, head: nn.Module, keep_ids: torch.Tensor | None = None, rows: nn.Linear | None = None):
         super().__init__()
         self.pre_projection = head.pre_projection
         self.model = head.model
         self.post_projection = head.post_projection
-        self.lm_head = restricted_lm_head(head, keep_ids)
+        self.lm_head = restricted_lm_head(head, keep_ids, rows)
         # Optional fixed-range fake quantizers on the inputs, named like the step graph's inputs
         # (token_embed, hidden, k_full, ...): the student then sees the phone's input clipping.
         self.input_qdq: nn.ModuleDict | None = None

@@ -33,8 +33,9 @@ def aimet_config(path: Path) -> Path:
 
 
 def make_student(head: nn.Module, keep_ids: torch.Tensor | None, example_inputs: tuple, *,
-                 weight_bits: int, activation_bits: int, config_path: Path):
-    """A QuantizationSimModel over a copy of `head` (the teacher stays untouched)."""
+                 weight_bits: int, activation_bits: int, config_path: Path, rows: nn.Linear | None = None):
+    """A QuantizationSimModel over a copy of `head` (the teacher stays untouched). `rows`: the
+    output layer already cut to the keep set (the teacher's), copied instead of `head`'s."""
     from aimet_torch.quantsim import QuantizationSimModel
 
     # One copy of the head's weights, not three: the text model's own embedding table is never
@@ -46,7 +47,7 @@ def make_student(head: nn.Module, keep_ids: torch.Tensor | None, example_inputs:
     memo = {id(lm_head): lm_head}  # shared (read only): restricted_lm_head copies the kept rows
     if embed is not None:
         memo[id(embed)] = None
-    student = TeacherForcedHead(copy.deepcopy(head, memo), keep_ids)
+    student = TeacherForcedHead(copy.deepcopy(head, memo), keep_ids, rows)
     student.model.embed_tokens = None
     for module in student.modules():
         if "RMSNorm" in type(module).__name__:

@@ -12,6 +12,7 @@ head_w4.safetensors, encodings.json, mtp_step.onnx (+ the float twin), embed_lut
 from __future__ import annotations
 
 import gc
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     from hyco.qat.capture import CaptureSet, capture_answers
     from hyco.qat.embed_lut import EMBED_LUT, write_embed_lut
     from hyco.qat.evaluate import agreement
-    from hyco.qat.mtp import TeacherForcedHead
+    from hyco.qat.mtp import TeacherForcedHead, output_table_on_disk
     from hyco.qat.quantsim import (
         aimet_config,
         apply_clip_search,
@@ -166,31 +167,36 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
 
     def calibrated(bits: int):
         sim = make_student(head, keep_ids, example, weight_bits=bits, activation_bits=config.activation_bits,
-                           config_path=cfg_path)
+                           config_path=cfg_path, rows=teacher.lm_head)
         sim.compute_encodings(lambda m, _: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib], None)
         attach_input_quantizers(sim, ranges)
         return sim
 
-    # Fixed input ranges first: every student sees the graph's input clipping from here on.
-    with phase("W8 PTQ"):
-        ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
-        results = {}
-        sim8 = calibrated(8)
-        results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
-        del sim8
-        gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
-    with phase(f"W{config.weight_bits} PTQ"):
-        sim = calibrated(config.weight_bits)
-        clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
-        results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-        results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
-    with phase(f"W{config.weight_bits} QAT"):
-        train_start = time.perf_counter()
-        history = train_student(sim, teacher, train, config, sliding_window, device)
-        train_s = time.perf_counter() - train_start
-        recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
-        results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-        results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+    # The head's 262,144-row tables wait on disk until graph parity's transformers reference
+    # needs them (1.07 GB off the peak); the students copy the teacher's keep-set rows.
+    table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
+    with output_table_on_disk(head, table_folder):
+        # Fixed input ranges first: every student sees the graph's input clipping from here on.
+        with phase("W8 PTQ"):
+            ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
+            results = {}
+            sim8 = calibrated(8)
+            results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
+            del sim8
+            gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
+        with phase(f"W{config.weight_bits} PTQ"):
+            sim = calibrated(config.weight_bits)
+            clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
+            results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+            results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+        with phase(f"W{config.weight_bits} QAT"):
+            train_start = time.perf_counter()
+            history = train_student(sim, teacher, train, config, sliding_window, device)
+            train_s = time.perf_counter() - train_start
+            recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
+            results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+            results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+    table_folder.rmdir()
 
     # 3. the MTP Drafter artifacts
     with phase("drafter graphs"):

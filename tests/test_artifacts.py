@@ -1,6 +1,7 @@
 """Atomic stage folders and manifests: no half artifact, reruns skip, edits invalidate."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,32 @@ def test_a_stage_s_temp_files_live_beside_its_folder_and_go_with_it(tmp_path):
     with pytest.raises(RuntimeError):
         run_stage("s", tmp_path / "stage", {"a": 2}, {}, build)
     assert not scratch.exists() and (tempfile.gettempdir(), os.environ.get("TMPDIR")) == before
+
+
+def test_peak_rss_never_reads_lower_than_before(monkeypatch):
+    """VmHWM lags (the kernel folds the current RSS into its high-water mark lazily): a second
+    read 0.1 MiB lower must not make a phase's 'peak so far' fall (a tiny calibrate's phases
+    read 784.8 then 784.7 MiB)."""
+    import hyco.artifacts as artifacts
+
+    reads = iter([1_000_000, 999_900, 1_200_000])  # kB, as /proc/self/status gives them
+
+    class Status:
+        def __init__(self, _):
+            pass
+
+        def read_text(self):
+            return f"Name:\tpython\nVmHWM:\t{next(reads)} kB\n"
+
+    monkeypatch.setattr(artifacts, "_highest_rss_mb", (os.getpid(), 0.0))
+    monkeypatch.setattr(artifacts, "Path", Status)
+    assert [artifacts.peak_rss_mb() for _ in range(3)] == [1_000_000 / 1024, 1_000_000 / 1024, 1_200_000 / 1024]
+
+
+def test_a_waited_child_s_peak_counts_in_this_process_s(monkeypatch):
+    import hyco.artifacts as artifacts
+
+    monkeypatch.setattr(artifacts, "_highest_rss_mb", (os.getpid(), 0.0))
+    own = artifacts.peak_rss_mb()
+    artifacts.note_child_peak(10_000.0)
+    assert artifacts.peak_rss_mb() >= 10_000.0 + artifacts.rss_mb() * 0.5 > own

@@ -53,6 +53,38 @@ def test_a_graph_that_would_fall_back_to_cpu_fails_with_the_op_named(tmp_path):
     assert not list((tmp_path / "out").iterdir())  # no partial context
 
 
+def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path, monkeypatch):
+    """The stage compiles in a fresh process (the QNN compiler keeps GBs after a 1 GB graph): the
+    child's refusal comes back as the same HycoError, and a compile that worked counts in this
+    process's peak RSS (the child's peak plus this process's RSS)."""
+    import onnx
+    from hyco.export.qnn import compile_isolated
+    from onnx import TensorProto, helper
+
+    from hyco.artifacts import peak_rss_mb
+
+    def save(name: str, op: str) -> Path:
+        graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs_ok"),
+                                   helper.make_node(op, ["a"], ["y"], name=f"{op.lower()}_node")], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / name)
+        return tmp_path / name
+
+    import hyco.artifacts
+
+    noted = []
+    monkeypatch.setattr(hyco.artifacts, "note_child_peak", noted.append)
+    with pytest.raises(HycoError, match="would fall back off the QNN HTP, first Det 'det_node'"):
+        compile_isolated(save("det.onnx", "Det"), tmp_path / "out", "det", soc_model=87)
+    assert not list((tmp_path / "out").iterdir())
+    compiled = compile_isolated(save("relu.onnx", "Relu"), tmp_path / "out", "relu", soc_model=87)
+    assert compiled.binary.is_file() and compiled.context.is_file() and compiled.nodes >= 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([compiled.binary.name, compiled.context.name])
+    # the child's own peak (an interpreter with onnxruntime-qnn loaded), not this pytest's
+    assert len(noted) == 1 and 50 < noted[0] < peak_rss_mb()
+
+
 @pytest.mark.slow
 def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_export):
     from hyco.export.bundle import verify_bundle

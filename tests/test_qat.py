@@ -443,3 +443,28 @@ def test_student_copies_no_vocabulary_table(tiny, tmp_path, monkeypatch):
     assert head.model.embed_tokens is not None and head.lm_head.weight is table  # the teacher keeps its tie
     for n, p in head.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+def test_output_table_waits_on_disk_and_comes_back_bit_exact_and_still_tied(tmp_path):
+    """qat frees the head's full-vocabulary table between the teacher's keep-set copy and graph
+    parity (1.07 GB at the 26B-A4B assistant's size): inside the block its storage is gone, after
+    it the same Parameter holds the same bits, still shared by the embedding, and nothing is left
+    on disk. An error inside the block restores it too."""
+    from hyco.qat.mtp import output_table_on_disk
+    from torch import nn
+
+    head = nn.Module()
+    head.model = nn.Module()
+    head.model.embed_tokens = nn.Embedding(1000, 24)
+    head.lm_head = nn.Linear(24, 1000, bias=False)
+    head.lm_head.weight = head.model.embed_tokens.weight  # tied, as gemma4_assistant's
+    before = head.lm_head.weight.detach().clone()
+    param = head.lm_head.weight
+    with output_table_on_disk(head, tmp_path):
+        assert head.lm_head.weight.numel() == 0 and head.model.embed_tokens.weight.numel() == 0
+        assert len(list(tmp_path.iterdir())) == 1  # one file for the tied pair
+    assert head.lm_head.weight is param and head.model.embed_tokens.weight is param
+    assert torch.equal(param.detach(), before) and list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="inside"), output_table_on_disk(head, tmp_path):
+        raise RuntimeError("inside")
+    assert torch.equal(param.detach(), before) and list(tmp_path.iterdir()) == []

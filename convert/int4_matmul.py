@@ -1,0 +1,213 @@
+"""CPU sessions: each INT4 weight's DequantizeLinear -> MatMul as one MatMulNBits.
+
+onnxruntime's CPU DequantizeLinear is a scalar loop: on the 35-layer E2B-shaped tree.onnx
+(2.0 G INT4 weights) it took 2.9 s of a 4.2 s pass, the MatMuls 1.2 s, and every tool that runs
+these graphs on the CPU (convert's parity, calibrate's recording, calibration, fidelity, the
+runtime check) paid it on every pass. onnxruntime's own MatMulNBits (com.microsoft) multiplies
+straight from packed 4-bit weights, dequantizing a tile at a time in cache, multithreaded.
+
+Same integers, same scales: MatMulNBits stores unsigned nibbles with a zero point (8 for 4 bits
+by default), so a two's-complement nibble v is stored as v + 8, which is v's nibble XOR 0x8: an
+[N, K] weight's packed bytes XOR 0x88 are MatMulNBits' B as they stand. Its scales are per block
+of K; the per-channel scale is repeated over each row's blocks. Not bit-identical to DQ -> MatMul:
+accuracy_level 0 computes in fp32 as MLAS's SGEMM does, but in another summation order, so the
+outputs differ in the last bits (relative 1.5e-6 at K = 1,536; tests/test_int4_matmul.py holds
+sessions to each other at a stated bound). INT8 weights keep DequantizeLinear (1% of E2B's weight;
+MatMulNBits' 8-bit path is slower than DequantizeLinear -> Gemm here).
+
+For CPU sessions only (`convert.export_onnx.session_for`): the graphs on disk and the deployed
+ones keep DequantizeLinear -> MatMul, which is what the HTP's QDQ matcher reads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from hyco.onnx_graph import consumers as graph_consumers
+
+FUSED_DATA = "int4_matmul.data"  # the session's repacked weights, in a folder of its own
+
+
+def block_size(k: int) -> int:
+    """The largest power of two <= 256 dividing K (16 at least; MatMulNBits pads the last block)."""
+    size = 16
+    while size < 256 and k % (size * 2) == 0:
+        size *= 2
+    return size
+
+
+def matmul_nbits_weight(raw: bytes, shape: tuple[int, int], transposed: bool) -> np.ndarray:
+    """An ONNX INT4 weight's raw bytes -> MatMulNBits' B, uint8 [N, blocks, block_size / 2].
+    `shape`: the initializer's; [N, K] feeding Transpose -> MatMul (convert's graphs), or [K, N]
+    feeding MatMul directly (`transposed`, calibrate's prepared graphs)."""
+    from hyco.convert.export_onnx import transpose_int4, unpack_int4
+
+    n, k = (shape[1], shape[0]) if transposed else shape
+    size = block_size(k)
+    blocks = -(-k // size)
+    if k % size == 0 and n % 2 == 0:
+        # two's-complement nibble -> offset-8 nibble: XOR 0x8 per nibble; [N, K] bytes stay in place
+        packed = np.frombuffer(transpose_int4(raw, (k, n)) if transposed else raw, np.uint8)
+        return (packed ^ np.uint8(0x88)).reshape(n, blocks, size // 2)
+    ints = unpack_int4(raw, shape[0] * shape[1]).reshape(shape)
+    rows = np.full((n, blocks * size), 8, np.uint8)  # padding: nibble 8, the value 0
+    rows[:, :k] = (ints.T if transposed else ints).astype(np.int16) + 8
+    return (rows[:, 0::2] | (rows[:, 1::2] << 4)).reshape(n, blocks, size // 2)
+
+
+def _read_raw(tensor, folder: Path) -> bytes:
+    from onnx.external_data_helper import uses_external_data
+
+    from hyco.errors import HycoError
+
+    if not uses_external_data(tensor):
+        if tensor.HasField("raw_data"):
+            return tensor.raw_data
+        from hyco.convert.export_onnx import pack_int4
+        from onnx import TensorProto, numpy_helper
+
+        values = numpy_helper.to_array(tensor)  # typed fields (int32_data, float_data)
+        return pack_int4(values) if tensor.data_type == TensorProto.INT4 else values.tobytes()
+    info = {e.key: e.value for e in tensor.external_data}
+    path = folder / info["location"]
+    try:
+        with open(path, "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            raw = f.read(int(info["length"])) if "length" in info else f.read()
+    except OSError as e:
+        raise HycoError(f"{path}: cannot read tensor {tensor.name!r} ({e.strerror})") from None
+    if "length" in info and len(raw) != int(info["length"]):
+        raise HycoError(f"{path}: truncated: tensor {tensor.name!r} needs {info['length']} bytes at offset "
+                        f"{info.get('offset', 0)}, the file holds {len(raw)} of them")
+    return raw
+
+
+def _float_array(tensor, folder: Path) -> np.ndarray:
+    return np.frombuffer(_read_raw(tensor, folder), np.float32)
+
+
+def _point_at(tensor, offset: int, length: int) -> None:
+    from onnx import TensorProto
+
+    del tensor.external_data[:]
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", FUSED_DATA), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+
+
+def _single_user(name: str, consumers: dict, outputs: set[str]):
+    users = consumers.get(name, [])
+    return users[0] if len(users) == 1 and name not in outputs else None
+
+
+def _fusable(dq, inits: dict, consumers: dict, outputs: set[str], folder: Path):
+    """(MatMul, activation, transposed, nodes replaced) for an INT4 per-channel weight DQ that
+    feeds one MatMul as its B, directly or through Transpose([1, 0]); else None."""
+    from onnx import TensorProto
+
+    if (dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or len(dq.input) < 2
+            or dq.input[1] not in inits or any(a.name == "block_size" and a.i for a in dq.attribute)):
+        return None
+    weight, scale = inits[dq.input[0]], inits[dq.input[1]]
+    if weight.data_type != TensorProto.INT4 or len(weight.dims) != 2 or scale.data_type != TensorProto.FLOAT:
+        return None
+    if len(dq.input) > 2 and dq.input[2]:
+        # onnxruntime's quantizer writes explicit zero points for the weights it keeps; symmetric
+        # (all 0) is what convert wrote, anything else stays as it is
+        zero = inits.get(dq.input[2])
+        if zero is None or zero.data_type != TensorProto.INT4 or any(_read_raw(zero, folder)):
+            return None
+    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+    user = _single_user(dq.output[0], consumers, outputs)
+    if user is None:
+        return None
+    replaced, transposed = [dq], True
+    if user.op_type == "Transpose":
+        if [list(a.ints) for a in user.attribute if a.name == "perm"] not in ([[1, 0]], []):
+            return None
+        replaced, transposed = [dq, user], False
+        user = _single_user(user.output[0], consumers, outputs)
+    if user is None or user.op_type != "MatMul" or user.input[1] != replaced[-1].output[0]:
+        return None
+    out_axis = 1 if transposed else 0  # scales run along N
+    n = weight.dims[out_axis]
+    if list(scale.dims) not in ([], [1], [n]) or (list(scale.dims) == [n] and axis % 2 != out_axis):
+        return None
+    return user, user.input[0], transposed, replaced
+
+
+def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
+    """Rewrite `model` in place (weightless, external data in `weights_folder`); returns how many
+    MatMuls were fused and the folder the session must read external data from: a new temporary
+    folder holding the repacked weights and the graph's other external tensors, or None when
+    nothing was fused. The caller removes it once the session has loaded (`session_for`)."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    consumers = graph_consumers(graph)
+    outputs = {o.name for o in graph.output}
+    plans = {}
+    for node in graph.node:
+        plan = _fusable(node, inits, consumers, outputs, Path(weights_folder))
+        if plan is not None:
+            plans[id(plan[0])] = (node, *plan)
+    if not plans:
+        return 0, None
+    folder = Path(tempfile.mkdtemp(prefix="hyco-int4-matmul-"))
+    try:
+        _write_fused(model, Path(weights_folder), folder, plans, inits, outputs)
+    except BaseException:
+        shutil.rmtree(folder)
+        raise
+    return len(plans), folder
+
+
+def _write_fused(model, weights_folder: Path, folder: Path, plans: dict, inits: dict, outputs: set[str]) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    graph = model.graph
+    dropped, nodes, repacked = set(), [], set()
+    with open(folder / FUSED_DATA, "wb") as data:
+        for node in graph.node:
+            if id(node) not in plans:
+                nodes.append(node)
+                continue
+            dq, matmul, act, transposed, replaced = plans[id(node)]
+            weight, scale = inits[dq.input[0]], _float_array(inits[dq.input[1]], Path(weights_folder))
+            b = matmul_nbits_weight(_read_raw(weight, Path(weights_folder)), tuple(weight.dims), transposed)
+            n, blocks = b.shape[0], b.shape[1]
+            tag = f"{matmul.name or matmul.output[0]}/nbits"
+            b_tensor = TensorProto(name=f"{tag}/B", data_type=TensorProto.UINT8, dims=b.shape)
+            _point_at(b_tensor, data.tell(), b.nbytes)
+            data.write(b.tobytes())
+            scales = numpy_helper.from_array(np.repeat(np.broadcast_to(scale, (n,)), blocks).astype(np.float32),
+                                             f"{tag}/scales")
+            graph.initializer.extend([b_tensor, scales])
+            repacked.add(b_tensor.name)
+            k = weight.dims[0] if transposed else weight.dims[1]
+            nodes.append(helper.make_node("MatMulNBits", [act, b_tensor.name, scales.name], list(matmul.output),
+                                          domain="com.microsoft", K=k, N=n, bits=4, block_size=block_size(k),
+                                          name=tag))
+            dropped.update(id(r) for r in replaced)
+    del graph.node[:]
+    graph.node.extend(n for n in nodes if id(n) not in dropped)
+    used = {name for node in graph.node for name in node.input}
+    kept = [t for t in graph.initializer if t.name in used or t.name in outputs]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    with open(folder / FUSED_DATA, "ab") as data:
+        # onnxruntime reads external data from one folder only (links out of it are refused): the
+        # graph's other external tensors (norms, scales, INT8 weights: ~1% here) are copied along
+        for tensor in graph.initializer:  # (extend copied `kept`: change the graph's own)
+            if uses_external_data(tensor) and tensor.name not in repacked:
+                raw = _read_raw(tensor, Path(weights_folder))
+                _point_at(tensor, data.tell(), len(raw))
+                data.write(raw)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
