@@ -339,6 +339,7 @@ def main() -> int:
         m = measure(cmd, logs / f"{stage}.log")
         # wait4 gives the largest single process; a stage that waits on a worker (export's
         # compiles) counts the worker's peak plus its own RSS in its manifest: the larger is reported
+        m["peak_rss_mb_wait4"] = m["peak_rss_mb"]
         m["peak_rss_mb"] = max(m["peak_rss_mb"], stage_manifest_peak(run_dir / stage))
         written, files = folder_bytes(run_dir / stage)
         row = {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,

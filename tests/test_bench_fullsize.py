@@ -48,7 +48,9 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
         # the stage's own process recorded (wait4's figure also covers its worker processes)
         assert s["bytes"] == folder_bytes(run / s["stage"]) > 0, s
         manifest = json.loads((run / s["stage"] / "manifest.json").read_text())
-        assert s["peak_rss_mb"] >= manifest["peak_rss_mb"] - 1, (s, manifest["peak_rss_mb"])
+        # the larger of wait4's figure (largest single process) and the stage's own (workers added)
+        assert s["peak_rss_mb"] == max(s["peak_rss_mb_wait4"], manifest["peak_rss_mb"]), (s, manifest["peak_rss_mb"])
+        assert s["peak_rss_mb_wait4"] >= manifest["peak_rss_mb"] - 1 or s["stage"] == "export", s
         assert 100 < s["peak_rss_mb"] < 8192 and 0 < s["wall_s"] >= manifest["wall_s"], (s, manifest["wall_s"])
         assert (tmp_path / "logs" / f"{s['stage']}.log").is_file()
         if s["stage"] in ("qat", "calibrate"):  # the stage's own phase log, from its report, in the child's log
