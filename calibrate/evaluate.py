@@ -52,31 +52,41 @@ def logsoftmax_output(model) -> str | None:
                  if n.op_type == "LogSoftmax" or (n.op_type == "Sub" and n.name.endswith("_log_softmax"))), None)
 
 
+def layer_taps(session, tensors: list[str], feeds: list[dict], rows: list[int]) -> list[list[np.ndarray]]:
+    """`tensors` of `session` (one that returns them: `stage.extra_output_session`) on each of
+    `feeds`, cut to its first `rows[i]` rows."""
+    if not tensors:  # (onnxruntime would return every output for an empty list)
+        return [[] for _ in feeds]
+    inputs = {i.name for i in session.get_inputs()}
+    return [[x[:n] for x in session.run(tensors, {k: v for k, v in f.items() if k in inputs})]
+            for f, n in zip(feeds, rows, strict=True)]
+
+
+def sqnr_db(labels: list[str], ref: list[list[np.ndarray]], quantized: list[list[np.ndarray]]) -> dict[str, float]:
+    """10 log10(sum ref^2 / sum (ref - q)^2) per layer, summed over passes (`layer_taps`' lists)."""
+    signal, noise = np.zeros(len(labels)), np.zeros(len(labels))
+    for a, b in zip(ref, quantized, strict=True):
+        for j, (x, y) in enumerate(zip(a, b, strict=True)):
+            x, y = x.astype(np.float64), y.astype(np.float64)
+            signal[j] += float((x * x).sum())
+            noise[j] += float(((x - y) ** 2).sum())
+    return {label: (10 * math.log10(signal[j] / noise[j]) if noise[j] > 0 else math.inf)
+            for j, label in enumerate(labels)}
+
+
 def sqnr(ref_model, q_model, feeds: list[dict], tmp: Path, tag: str, rows: list[int] | None = None,
          weights: tuple[Path, Path] | None = None) -> dict[str, float]:
-    """10 log10(sum ref^2 / sum (ref - q)^2) per layer output over `feeds` (first `rows[i]` rows).
-    `weights`: the external-data folders of weightless `ref_model` and `q_model`."""
+    """Per-layer SQNR of `q_model` against `ref_model` over `feeds` (first `rows[i]` rows), each
+    through a session of its own. `weights`: the external-data folders of weightless models."""
     from hyco.calibrate.stage import extra_output_session
 
     names = layer_outputs(ref_model)
     if not names:
         return {}
-    tensors = list(names.values())
-    a = extra_output_session(ref_model, tensors, tmp, f"{tag}_ref", weights[0] if weights else None)
-    b = extra_output_session(q_model, tensors, tmp, f"{tag}_q", weights[1] if weights else None)
-    signal = dict.fromkeys(tensors, 0.0)
-    noise = dict.fromkeys(tensors, 0.0)
-    inputs = {i.name for i in a.get_inputs()}
-    for i, f in enumerate(feeds):
-        f = {k: v for k, v in f.items() if k in inputs}
-        ra, rb = a.run(tensors, f), b.run(tensors, f)
-        for t, x, y in zip(tensors, ra, rb, strict=True):
-            n = rows[i] if rows else x.shape[0]
-            x, y = x[:n].astype(np.float64), y[:n].astype(np.float64)
-            signal[t] += float((x * x).sum())
-            noise[t] += float(((x - y) ** 2).sum())
-    return {label: (10 * math.log10(signal[t] / noise[t]) if noise[t] > 0 else math.inf)
-            for label, t in names.items()}
+    tensors, rows = list(names.values()), rows or [None] * len(feeds)
+    taps = [layer_taps(extra_output_session(model, tensors, tmp, f"{tag}_{side}", folder), tensors, feeds, rows)
+            for model, side, folder in ((ref_model, "ref", weights and weights[0]), (q_model, "q", weights and weights[1]))]
+    return sqnr_db(list(names), *taps)
 
 
 def top_margin(logprobs: np.ndarray) -> np.ndarray:
@@ -124,22 +134,38 @@ def to_codes(feeds: dict, spec) -> dict:
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase) -> dict[str, Any]:
     import onnx
-    from hyco.calibrate.drive import cpu_session as ort_session  # no CPU memory arena
-    from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, record_slm
+    from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, extra_output_session, record_slm
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
+    # Each graph's fidelity session also returns its layer outputs: SQNR runs the float driver's
+    # feeds through the same sessions (no second session per graph: ~40 s less at E2B size).
+    layers = {g: layer_outputs(onnx.load(str(convert / name), load_external_data=False)) for g, name in SLM_GRAPHS.items()}
+    taps = {g: list(layers[g].values()) for g in SLM_GRAPHS}
+
+    def sessions(folder: Path, names: dict[str, str], tag: str) -> dict:
+        return {g: extra_output_session(onnx.load(str(folder / names[g]), load_external_data=False), taps[g], tmp,
+                                        f"{tag}_{g}", weights=folder) for g in SLM_GRAPHS}
+
     # The float driver builds the trees; the QDQ driver then walks the same trees (`lockstep`'s
     # replay): two graphs' sessions open at a time, not four (~3 GB less at E2B size).
     script: list = []
+    picks, ref_taps, q_taps = {}, {}, {}
     with phase("fidelity: float SLM passes"):
-        ref = {g: ort_session(convert / name) for g, name in SLM_GRAPHS.items()}
+        ref = sessions(convert, SLM_GRAPHS, "float")
         f_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref], mask_negative=negative,
                             spill=tmp / "evaluated" / "float", script=script)
+        for g in SLM_GRAPHS:
+            rec = getattr(f_slm, f"{g}_session")
+            picks[g] = np.linspace(0, len(rec.active) - 1, min(config.sqnr_passes, len(rec.active))).astype(int).tolist()
+            ref_taps[g] = layer_taps(ref[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
         f_slm.tree_session.session = f_slm.prefill_session.session = ref = None  # only their passes are read below
     with phase("fidelity: QDQ SLM passes"):
-        qdq = {g: ort_session(out / PARITY_NAMES[g]) for g in SLM_GRAPHS}
+        qdq = sessions(out, PARITY_NAMES, "qdq")
         q_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[qdq], mask_negative=negative,
                             spill=tmp / "evaluated" / "qdq", replay=script)
+        for g in SLM_GRAPHS:  # the float driver's feeds: each pass's own quantization error, no KV drift
+            rec = getattr(f_slm, f"{g}_session")
+            q_taps[g] = layer_taps(qdq[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
         q_slm.tree_session.session = q_slm.prefill_session.session = qdq = None
     results, htp_feeds = {}, {}
     for g, name in SLM_GRAPHS.items():
@@ -155,10 +181,7 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
                 kl.append(kl_rows(a, b))
                 topk_err.append(topk_logprob_error(a, b, k))
                 rows.append(n)
-            pick = np.linspace(0, len(rows) - 1, min(config.sqnr_passes, len(rows))).astype(int).tolist()
-            db = sqnr(onnx.load(str(convert / name), load_external_data=False),
-                      onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False),
-                      [f_rec.passes[i][0] for i in pick], tmp, f"sqnr_{g}", [rows[i] for i in pick], weights=(convert, out))
+            db = sqnr_db(list(layers[g]), ref_taps.pop(g), q_taps.pop(g))
             results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(rows)}
             # the HTP check runs the QDQ driver's own passes (a fuller tree pass first), read back from disk
             order = sorted(range(len(rows)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]

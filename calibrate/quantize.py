@@ -18,11 +18,13 @@ stores codes; no float ring on the phone).
 from __future__ import annotations
 
 import gc
+import inspect
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
 import onnx
+from hyco.calibrate.lookups import QuantizerLookups
 from onnx import TensorProto, helper, numpy_helper
 
 from hyco.onnx_graph import consumers as graph_consumers
@@ -118,11 +120,12 @@ def htp_encoding_violations(model: onnx.ModelProto) -> list[str]:
 
 def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]], *, overrides: dict,
                    method: str, percentile: float, activation_bits: int, lean: bool = True,
-                   int4_matmul: bool = True) -> Path:
+                   int4_matmul: bool = True, check_lookups: bool = False) -> Path:
     """ORT QDQ quantization of `prepared` (a model file with external data) into `out`. `lean`:
     through `_lean_quantizer` (False: onnxruntime's own code paths, for the test that holds the
     two to the same graph); `int4_matmul`: its calibration session multiplies INT4 weights packed
-    (`convert.int4_matmul`; False: as onnxruntime's own session does, bit for bit)."""
+    (`convert.int4_matmul`; False: as onnxruntime's own session does, bit for bit); `check_lookups`:
+    each indexed lookup is also compared with onnxruntime's scan (tests)."""
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
@@ -138,7 +141,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
         cfg.extra_options["CalibPercentile"] = percentile
     cfg.use_external_data_format = True
     Path(f"{out}.data").unlink(missing_ok=True)  # onnx appends external data to an existing file
-    with _lean_quantizer(Path(prepared).parent, int4_matmul) if lean else nullcontext():
+    with _lean_quantizer(Path(prepared).parent, int4_matmul, check_lookups) if lean else nullcontext():
         quantize(str(prepared), str(out), cfg)
     del cfg
     gc.collect()  # the quantizer's model copies sit in reference cycles: free them before the next graph
@@ -152,14 +155,14 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
 
 
 @contextmanager
-def _lean_quantizer(weights: Path, int4_matmul: bool = True):
+def _lean_quantizer(weights: Path, int4_matmul: bool = True, check: bool = False):
     """onnxruntime's calibrator and QDQ quantizer, minus what makes them cost minutes and GBs at
     E2B size, writing the same graph (tests/test_calibrate.py holds `quantize_graph` to
     onnxruntime's unpatched `quantize`, and the augmented graph to its own):
     - the quantizer renames a tensor's readers by scanning every node's inputs in Python, once
-      per quantized tensor, and looks initializers up by a full list scan (quadratic: ~2 minutes
-      per SLM graph); here the same scans, the first with protobuf's own membership test per
-      node, the second stopping at the first match (the one it returned);
+      per quantized tensor, and looks initializers up by a full list scan (quadratic: 87 s of a
+      135 s quantize at E2B size); here both come from indexes (`calibrate.lookups`; `check`:
+      each answer is also compared with the scan, for the tests);
     - its model is read without weights (it loaded and rewrote every weight: one more copy of the
       model in memory and on disk); the augmented graph's weights are read from `weights`, the
       prepared graph's folder;
@@ -168,6 +171,7 @@ def _lean_quantizer(weights: Path, int4_matmul: bool = True):
     - its session has no CPU memory arena (the arena keeps every pass's high-water mark), each
       weight dequantized just before its MatMul (`drive.cpu_session`), weight taps as constants
       (`constant_weight_taps`) and onnxruntime's priority order."""
+    import onnxruntime.quantization.base_quantizer as base_quantizer
     import onnxruntime.quantization.calibrate as calibrate
     import onnxruntime.quantization.onnx_model as onnx_model
     import onnxruntime.quantization.qdq_quantizer as qdq_quantizer
@@ -193,20 +197,34 @@ def _lean_quantizer(weights: Path, int4_matmul: bool = True):
     def augment_graph(self):
         return ort_augment(self) if self.per_channel else augment_graph_linear(self)
 
+    lookups = QuantizerLookups(check)
+    ort_replace_node_input = onnx_model.ONNXModel.replace_node_input
+
+    def replace_node_input(node, old_input_name, new_input_name):
+        ort_replace_node_input(node, old_input_name, new_input_name)
+        lookups.note_rewrite(node, new_input_name)
+
     def replace_input_of_all_nodes(self, old_input_name, new_input_name):
-        for node in self.model.graph.node:
-            if old_input_name in node.input:
-                onnx_model.ONNXModel.replace_node_input(node, old_input_name, new_input_name)
+        for node in lookups.readers(old_input_name, self.model.graph.node):
+            replace_node_input(node, old_input_name, new_input_name)
+
+    def get_initializer(self, name):
+        return lookups.find_initializer(name, self.model.graph.initializer)
 
     def find_by_name(item_name, item_list):
+        if len(item_list) and isinstance(item_list[0], onnx.TensorProto):  # a graph's initializers
+            return lookups.find_initializer(item_name, item_list)
         return next((item for item in item_list if item.name == item_name), None)
 
     patches = [(calibrate, "load_model_with_shape_infer", load_weightless),
                (calibrate.CalibraterBase, "create_inference_session", create_inference_session),
                (calibrate.MinMaxCalibrater, "augment_graph", augment_graph),
+               (onnx_model.ONNXModel, "replace_node_input", staticmethod(replace_node_input)),
                (onnx_model.ONNXModel, "replace_input_of_all_nodes", replace_input_of_all_nodes),
-               (onnx_model, "find_by_name", find_by_name), (qdq_quantizer, "find_by_name", find_by_name)]
-    originals = [getattr(owner, name) for owner, name, _ in patches]
+               (onnx_model.ONNXModel, "get_initializer", get_initializer),
+               (onnx_model, "find_by_name", find_by_name), (qdq_quantizer, "find_by_name", find_by_name),
+               (base_quantizer, "find_by_name", find_by_name)]
+    originals = [inspect.getattr_static(owner, name) for owner, name, _ in patches]  # a staticmethod as such
     for owner, name, new in patches:
         setattr(owner, name, new)
     try:
@@ -262,20 +280,16 @@ def augment_graph_linear(self) -> None:
     onnx.save(self.model, self.augmented_model_path)  # weightless (`_lean_quantizer`): references only
 
 
-# a byte of ONNX INT4 -> its low / high nibble's signed value
-_NIBBLE = np.where(np.arange(16) >= 8, np.arange(16) - 16, np.arange(16)).astype(np.int8)
-_LOW, _HIGH = _NIBBLE[np.arange(256) & 15], _NIBBLE[np.arange(256) >> 4]
-
-
 def int_extremes(ints: onnx.TensorProto, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Smallest and largest integer of a loaded integer initializer, per index of `axis` (None:
     of the whole tensor). A 2-D INT4 one with even dims is read byte by byte through nibble
     tables (unpacking E2B's 2 G INT4 weights to int8 took ~13 s of each graph's calibration)."""
     from hyco.calibrate.prepare import _int_array
+    from hyco.convert.export_onnx import INT4_HIGH, INT4_LOW
 
     if ints.data_type == TensorProto.INT4 and len(ints.dims) == 2 and ints.dims[0] % 2 == 0 and ints.dims[1] % 2 == 0:
         b = np.frombuffer(ints.raw_data, np.uint8).reshape(ints.dims[0], ints.dims[1] // 2)
-        low, high = _LOW[b], _HIGH[b]  # columns 2m and 2m + 1
+        low, high = INT4_LOW[b], INT4_HIGH[b]  # columns 2m and 2m + 1
         if axis is None:
             return min(low.min(), high.min()), max(low.max(), high.max())
         if axis == 0:
@@ -522,18 +536,43 @@ def _weight_refs(model: onnx.ModelProto) -> dict[str, tuple[onnx.TensorProto, on
 
 
 def _unpack_weight(ints_t: onnx.TensorProto, scale_t: onnx.TensorProto, axis: int) -> tuple[np.ndarray, np.ndarray, int]:
+    return _oriented_ints(ints_t, axis), _scale_bits(scale_t), axis
+
+
+def _oriented_ints(ints_t: onnx.TensorProto, axis: int) -> np.ndarray:
+    """A loaded integer weight as [out, in] int8 (a view: axis 1 is stored [in, out])."""
     from hyco.calibrate.prepare import _int_array
 
     values = _int_array(ints_t)
-    if values.ndim == 2 and axis == 1:
-        values = values.T
-    scale = numpy_helper.to_array(scale_t).reshape(-1).astype(np.float32)
-    return values, scale.view(np.uint32), axis
+    return values.T if values.ndim == 2 and axis == 1 else values
+
+
+def _scale_bits(scale_t: onnx.TensorProto) -> np.ndarray:
+    return numpy_helper.to_array(scale_t).reshape(-1).astype(np.float32).view(np.uint32)
 
 
 def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Every integer weight feeding a DequantizeLinear: name -> (ints as [out, in] int8, scale bytes, axis)."""
     return {name: _unpack_weight(*ref) for name, ref in _weight_refs(model).items()}
+
+
+def _same_packed_int4(a: onnx.TensorProto, a_axis: int, b: onnx.TensorProto, b_axis: int) -> bool | None:
+    """Whether two loaded 2-D INT4 weights hold the same [out, in] integers, compared as packed
+    bytes (every nibble a value when both dims are even: equal bytes are equal integers), the
+    one transposed first where their layouts differ (convert's [N, K] vs the deployable [K, N]);
+    None where that does not apply. Unpacking both E2B graphs' 2 G weights to int8 and comparing
+    transposed views took ~16 s per graph."""
+    from hyco.convert.export_onnx import transpose_int4
+
+    if a.data_type != TensorProto.INT4 or b.data_type != TensorProto.INT4 or len(a.dims) != 2 or len(b.dims) != 2:
+        return None
+    if a.dims[0] % 2 or a.dims[1] % 2:
+        return None
+    if a_axis == b_axis and list(a.dims) == list(b.dims):
+        return a.raw_data == b.raw_data
+    if a_axis != b_axis and list(a.dims) == list(b.dims)[::-1]:
+        return transpose_int4(a.raw_data, tuple(a.dims)) == b.raw_data
+    return None
 
 
 def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folders=(None, None)) -> dict:
@@ -549,8 +588,11 @@ def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folder
         if other is None:
             rows[name] = False
             continue
-        ints, scale, _ = _unpack_weight(loaded(ints_t, folders[0]), loaded(scale_t, folders[0]), axis)
-        o_ints, o_scale, _ = _unpack_weight(loaded(other[0], folders[1]), loaded(other[1], folders[1]), other[2])
-        rows[name] = bool(np.array_equal(ints, o_ints) and np.array_equal(scale, o_scale))
+        a_ints, b_ints = loaded(ints_t, folders[0]), loaded(other[0], folders[1])
+        same = _same_packed_int4(a_ints, axis, b_ints, other[2])
+        if same is None:
+            same = np.array_equal(_oriented_ints(a_ints, axis), _oriented_ints(b_ints, other[2]))
+        rows[name] = bool(same and np.array_equal(_scale_bits(loaded(scale_t, folders[0])),
+                                                  _scale_bits(loaded(other[1], folders[1]))))
     return {"weights": len(a), "equal": sum(rows.values()), "all_equal": bool(rows) and all(rows.values()),
             "missing_or_different": sorted(k for k, v in rows.items() if not v)[:10]}

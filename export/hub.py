@@ -11,8 +11,11 @@ the phone's binaries match the bundle's. OUT is written atomically: a failed job
 from __future__ import annotations
 
 import configparser
+import contextlib
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +97,28 @@ def _finished(job, what: str, model: Path) -> None:
         raise HycoError(f"{model}: qai-hub {what} job {job.url} ended {status.code}: {status.message or 'no reason given'}")
 
 
+@contextlib.contextmanager
+def _temp_files_in(folder: Path) -> Iterator[None]:
+    """qai-hub's upload writes a NamedTemporaryFile(delete=False) and a zip of the model folder
+    into the system temp folder and leaves both there (12 entries per test run of the replay
+    tests): they go into `folder`, removed with it."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
 def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
     jobs = []
     for r in requests:
         # qai-hub takes an ONNX model with external weights as a folder of the graph and its .data
         upload = tmp / "upload" / r["role"] / r["model"].name
         _copy_graph(r["model"], upload)
-        compile_job = client.submit_compile_job(model=upload, device=r["device"], name=r["name"],
-                                                input_specs=r["input_specs"], options=r["options"])
+        with _temp_files_in(tmp / "upload"):  # removed once the jobs are done
+            compile_job = client.submit_compile_job(model=upload, device=r["device"], name=r["name"],
+                                                    input_specs=r["input_specs"], options=r["options"])
         _finished(compile_job, "compile", r["model"])
         target = compile_job.get_target_model()
         binary = Path(target.download(str(tmp / f"{r['role']}.bin")))

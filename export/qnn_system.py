@@ -13,6 +13,8 @@ import ctypes as C
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hyco.errors import HycoError
 
 
@@ -144,16 +146,19 @@ def binary_info(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise HycoError(f"{path}: context binary not found")
-    data = path.read_bytes()
+    # Mapped, not read: a binary is ~1 GB at E2B size, and the bytes + ctypes-buffer copies it
+    # was read through stayed alive in a reference cycle (ctypes.cast) until the next gc: export
+    # held 1 GB through the next graph's compile.
+    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
     iface = _interface()
     handle = C.c_void_p()
     if iface.systemContextCreate(C.byref(handle)):
         raise HycoError("libQnnSystem: systemContextCreate failed")
     try:
-        buf = C.create_string_buffer(data, len(data))
         info = C.POINTER(_BinaryInfo)()
         size = C.c_uint64()
-        err = iface.systemContextGetBinaryInfo(handle, C.cast(buf, C.c_void_p), len(data), C.byref(info), C.byref(size))
+        err = iface.systemContextGetBinaryInfo(handle, C.c_void_p(data.ctypes.data), data.size, C.byref(info),
+                                               C.byref(size))
         if err or not info:
             raise HycoError(f"{path}: libQnnSystem cannot read this context binary (error {err}): corrupt or not a "
                             "QNN context binary")
@@ -179,3 +184,4 @@ def binary_info(path: Path) -> dict[str, Any]:
                 "context_blob_bytes": int(b.contextBlobSize), "graphs": graphs}
     finally:
         iface.systemContextFree(handle)
+        del data  # unmapped: nothing read from it is used after this

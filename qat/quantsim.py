@@ -77,9 +77,10 @@ def best_clip_scales(weight: torch.Tensor, qmin: int, qmax: int, ratio_max: floa
     best_err = torch.full((w.shape[0],), float("inf"))
     best_scale = amax / qmax
     best_ratio = torch.ones(w.shape[0])
-    for r in torch.linspace(ratio_max, ratio_min, steps).tolist():
+    work = torch.empty_like(w)  # the same ops in place: one buffer, not six per ratio (the output
+    for r in torch.linspace(ratio_max, ratio_min, steps).tolist():  # layer's is 352 MB at full size)
         scale = amax * r / qmax
-        err = ((torch.clamp(torch.round(w / scale), qmin, qmax) * scale - w) ** 2).sum(dim=1)
+        err = torch.div(w, scale, out=work).round_().clamp_(qmin, qmax).mul_(scale).sub_(w).square_().sum(dim=1)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better[:, None], scale, best_scale)

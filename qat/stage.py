@@ -173,7 +173,8 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         return sim
 
     # The head's 262,144-row tables wait on disk until graph parity's transformers reference
-    # needs them (1.07 GB off the peak); the students copy the teacher's keep-set rows.
+    # needs them (1.07 GB off the peak); the students copy the teacher's keep-set rows, the
+    # drafter graphs are written from the teacher's and the student's.
     table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
     with output_table_on_disk(head, table_folder):
         # Fixed input ranges first: every student sees the graph's input clipping from here on.
@@ -196,15 +197,22 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
             recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
             results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
             results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
-    table_folder.rmdir()
 
-    # 3. the MTP Drafter artifacts
-    with phase("drafter graphs"):
-        drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)
-    # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
-    # between the graph and the full student is the 16-bit grid, not range clipping.
-    with phase("graph parity"):
-        parity = graph_parity(out, head, sim, keep_ids, calib[0], drafter["spec"], config)
+        # 3. the MTP Drafter artifacts (from the teacher's rows and the student's integers: the
+        # tables stay on disk through the ONNX export and the quantized graph's parity)
+        with phase("drafter graphs"):
+            drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)
+        teacher = None  # its keep-set output layer (352 MB at full size) is done with
+        # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
+        # between the graph and the full student is the 16-bit grid, not range clipping.
+        with phase("graph parity: quantized"):
+            rows = parity_positions(calib[0], drafter["spec"], config)
+            quantized = quantized_parity(out, head, sim, rows, config)
+        del sim
+        gc.collect()  # the student (QuantSim's reference cycles) goes before the tables come back
+    table_folder.rmdir()
+    with phase("graph parity: float"):
+        parity = float_parity(out, head, keep_ids, rows, quantized)
 
     report = {
         "agreement": results,
@@ -309,27 +317,15 @@ def write_drafter(out: Path, head, teacher, sim, keep, kv_shapes, ranges, config
     return {"spec": spec, "linears": len(ints), "weight_bytes_int4": sum(v.numel() for v, _ in ints.values()) // 2}
 
 
-def graph_parity(out: Path, head, sim, keep_ids, cap, spec, config: QatConfig, positions: int = 8) -> dict:
-    """Float graph vs transformers' head and quantized graph vs QuantSim, on the last drafting
-    positions of `cap` (the ring holds the last `window` positions; the references get the same rows)."""
-    import onnxruntime as ort
-    from aimet_torch.utils import remove_activation_quantizers
-    from hyco.qat.mtp import head_step
-    from hyco.qat.quantsim import plain
+def parity_positions(cap, spec, config: QatConfig, positions: int = 8) -> list[tuple]:
+    """The last drafting positions of `cap` as (StepInput, step graph feeds): the ring holds the
+    last `window` positions, the references get the same rows."""
     from hyco.qat.step_graph import rope_rows, step_feeds
 
     from hyco.handoff import StepInput
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # summation order as written
-    float_sess = ort.InferenceSession(str(out / "mtp_step.float.onnx"), so, providers=["CPUExecutionProvider"])
-    quant_sess = ort.InferenceSession(str(out / "mtp_step.onnx"), so, providers=["CPUExecutionProvider"])
-    ts = cap.drafting_positions[-positions:].tolist()
-    proof_feeds = []
-    float_diff = quant_diff = weights_diff = 0.0
-    float_top1 = quant_top1 = weights_top1 = 0
-    device = head.pre_projection.weight.device
-    for t in ts:
+    rows = []
+    for t in cap.drafting_positions[-positions:].tolist():
         lo = max(0, t + 1 - config.window)
         kv = {layer: (k[:, lo:t + 1], v[:, lo:t + 1]) for layer, (k, v) in cap.kv.items()}
         start = StepInput(cap.embeds[t + 1], cap.hidden[t], kv, t + 1)
@@ -338,15 +334,32 @@ def graph_parity(out: Path, head, sim, keep_ids, cap, spec, config: QatConfig, p
                            start.hidden.numpy(), spec, spec.meta["rope"], config.mask_negative)
         for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
             feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(spec.meta["rope"][layer], t + 1)
-        proof_feeds.append(feeds)
-        f_lp, f_ids, _ = float_sess.run(None, feeds)
-        logits, _ = head_step(head, start.embed, start.hidden, kv, t + 1)
-        ref = torch.log_softmax(logits[keep_ids.to(logits.device)], -1).cpu()
-        float_diff = max(float_diff, float(np.abs(f_lp[0] - ref[torch.from_numpy(f_ids[0])].numpy()).max()))
-        float_top1 += int(f_ids[0, 0] == int(ref.argmax()))
+        rows.append((start, feeds))
+    return rows
+
+
+def _cpu_session(path: Path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # summation order as written
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def quantized_parity(out: Path, head, sim, rows: list[tuple], config: QatConfig) -> dict:
+    """Quantized graph vs QuantSim (the full student, and its weights with float activations),
+    then the step graph's proof. Needs neither the head's full-vocabulary tables nor the float graph."""
+    from aimet_torch.utils import remove_activation_quantizers
+    from hyco.qat.quantsim import plain
+
+    quant_sess = _cpu_session(out / "mtp_step.onnx")
+    quant_diff = weights_diff = 0.0
+    quant_top1 = weights_top1 = 0
+    device = head.pre_projection.weight.device
+    for start, feeds in rows:
         q_lp, q_ids, _ = quant_sess.run(None, feeds)
         query = torch.cat([start.embed, start.hidden])[None, None].to(device)
-        args = (query, torch.tensor([[t + 1]], device=device),
+        args = (query, torch.tensor([[start.position]], device=device),
                 *[torch.from_numpy(feeds[n])[None].to(device) for n in ("k_full", "v_full", "k_sliding", "v_sliding")],
                 torch.from_numpy(feeds["mask_full"])[None, None].to(device),
                 torch.from_numpy(feeds["mask_sliding"])[None, None].to(device))
@@ -359,19 +372,36 @@ def graph_parity(out: Path, head, sim, keep_ids, cap, spec, config: QatConfig, p
         weights_diff = max(weights_diff, float(np.abs(q_lp[0] - w_lp[picked].numpy()).max()))
         quant_top1 += int(q_ids[0, 0] == int(s_lp.argmax()))
         weights_top1 += int(q_ids[0, 0] == int(w_lp.argmax()))
-    n = len(ts)
-    del float_sess, quant_sess  # one graph's weights in memory at a time: the proof opens its own
-    proof = step_graph_proof(out, head, sim, proof_feeds, config.topk)
-    float_ok = float_diff <= STEP_TOLERANCE and float_top1 == n
-    failure = proof["failure"] or (None if float_ok else
-                                   f"float_step_graph: vs transformers max |d logprob| {float_diff:.3g} "
-                                   f"(tolerance {STEP_TOLERANCE:g}), top-1 {float_top1}/{n}")
-    return {"positions": n, "float_vs_transformers_max_abs_logprob": float_diff, "float_top1_match": float_top1 / n,
-            # the same INT4 weights with float activations: only the graph's uint16 input QDQ differs
-            "quant_vs_quantsim_weights_max_abs_logprob": weights_diff, "quant_vs_quantsim_weights_top1_match": weights_top1 / n,
+    n = len(rows)
+    del quant_sess  # one graph's weights in memory at a time: the proof opens its own
+    proof = step_graph_proof(out, head, sim, [f for _, f in rows], config.topk)
+    # the same INT4 weights with float activations: only the graph's uint16 input QDQ differs
+    return {"quant_vs_quantsim_weights_max_abs_logprob": weights_diff, "quant_vs_quantsim_weights_top1_match": weights_top1 / n,
             # the full student: 16-bit activation encodings (calibrated ranges, clipping outside)
             "quant_vs_quantsim_max_abs_logprob": quant_diff, "quant_top1_match": quant_top1 / n,
-            "step_graph_proof": proof, "passed": failure is None, "failure": failure}
+            "step_graph_proof": proof}
+
+
+def float_parity(out: Path, head, keep_ids, rows: list[tuple], quantized: dict) -> dict:
+    """Float graph vs transformers' head (its full-vocabulary output layer, cut to the keep set
+    after), joined with `quantized_parity`'s result into the report's parity section."""
+    from hyco.qat.mtp import head_step
+
+    float_sess = _cpu_session(out / "mtp_step.float.onnx")
+    float_diff, float_top1 = 0.0, 0
+    for start, feeds in rows:
+        f_lp, f_ids, _ = float_sess.run(None, feeds)
+        logits, _ = head_step(head, start.embed, start.hidden, start.kv, start.position)
+        ref = torch.log_softmax(logits[keep_ids.to(logits.device)], -1).cpu()
+        float_diff = max(float_diff, float(np.abs(f_lp[0] - ref[torch.from_numpy(f_ids[0])].numpy()).max()))
+        float_top1 += int(f_ids[0, 0] == int(ref.argmax()))
+    n = len(rows)
+    float_ok = float_diff <= STEP_TOLERANCE and float_top1 == n
+    failure = quantized["step_graph_proof"]["failure"] or (
+        None if float_ok else f"float_step_graph: vs transformers max |d logprob| {float_diff:.3g} "
+                              f"(tolerance {STEP_TOLERANCE:g}), top-1 {float_top1}/{n}")
+    return {"positions": n, "float_vs_transformers_max_abs_logprob": float_diff, "float_top1_match": float_top1 / n,
+            **quantized, "passed": failure is None, "failure": failure}
 
 
 # The step graph's proof tolerance: float32 summation order only (no rounding can differ, see

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from hyco.qat.capture import Capture
+from hyco.qat.lean_qdq import lean_weight_qdq
 from hyco.qat.mtp import teacher_forced_inputs
 from hyco.qat.quantsim import plain
 from tqdm import tqdm
@@ -58,33 +59,36 @@ def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cf
     # range shrinks into clipping the step graph does not reproduce.
     params = [p for name, p in sim.model.named_parameters()
               if p.requires_grad and "input_quantizers" not in name and "output_quantizers" not in name]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    # fused: one kernel per parameter, no temporaries (the per-tensor loop built two
+    # output-layer-sized ones for its denominator: +650 MB at the full-size step)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
     order: list[int] = []
     history = []
     sim.model.train()
     use_autocast = cfg.bf16_autocast and device.type in ("cuda", "cpu")
-    for step in tqdm(range(cfg.steps), desc="qat: train", unit="step", disable=None):
-        start = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for _ in range(cfg.grad_accumulation):
-            if not order:
-                order = list(range(len(captures)))
-                rng.shuffle(order)
-            inputs = model_inputs(captures[order.pop()], sliding_window, device, cfg.mask_negative)
-            with torch.no_grad():
-                teacher_logits, _ = teacher(*inputs)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                student_logits, _ = sim.model(*inputs)
-            loss = kl_teacher_student(teacher_logits, plain(student_logits)) / cfg.grad_accumulation
-            loss.backward()
-            total += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        history.append({"step": step, "loss": total, "lr": lr_at(step, cfg), "grad_norm": float(grad_norm),
-                        "wall_s": round(time.perf_counter() - start, 4)})
+    with lean_weight_qdq():  # the output layer's fake-quant backward a block of rows at a time (peak)
+        for step in tqdm(range(cfg.steps), desc="qat: train", unit="step", disable=None):
+            start = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for _ in range(cfg.grad_accumulation):
+                if not order:
+                    order = list(range(len(captures)))
+                    rng.shuffle(order)
+                inputs = model_inputs(captures[order.pop()], sliding_window, device, cfg.mask_negative)
+                with torch.no_grad():
+                    teacher_logits, _ = teacher(*inputs)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                    student_logits, _ = sim.model(*inputs)
+                loss = kl_teacher_student(teacher_logits, plain(student_logits)) / cfg.grad_accumulation
+                loss.backward()
+                total += float(loss.detach())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            history.append({"step": step, "loss": total, "lr": lr_at(step, cfg), "grad_norm": float(grad_norm),
+                            "wall_s": round(time.perf_counter() - start, 4)})
     opt.zero_grad(set_to_none=True)  # the last step's gradients (one more copy of the student) go with the optimizer
     sim.model.eval()
     return history

@@ -22,6 +22,7 @@ from hyco.calibrate.masks import MaskStats, choose_mask, masked_mass
 from hyco.calibrate.quantize import weights_bitexact
 from hyco.convert.export_onnx import ort_session
 
+from hyco.artifacts import Phases
 from hyco.io_spec import read_io_spec
 
 GRAPHS = ("tree.qdq.onnx", "prefill.qdq.onnx", "mtp_step.qdq.onnx")
@@ -522,6 +523,36 @@ def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated,
     print("undistilled simulator vs CPU (max |dlogprob|, bound, top-1 equal, rows):", report)
 
 
+def test_slm_sqnr_from_the_fidelity_sessions_equals_fresh_sessions(tiny_calibrated, tmp_path, monkeypatch):
+    """Fidelity's SLM SQNR runs the float driver's picked feeds through the fidelity sessions
+    themselves (they also return the layer outputs; issue 13: four session creations less). The
+    figures equal `evaluate.sqnr`'s, which opens a fresh session per graph, on the same feeds."""
+    from hyco.calibrate import evaluate
+    from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, check_inputs
+
+    from hyco.recipe import CalibrateConfig
+
+    run = tiny_calibrated
+    out = run / "calibrate"
+    inputs = check_inputs(run / "convert", run / "qat", run / "vocab")
+    negative = read_io_spec(out / "io_spec.json")["tree.qdq.onnx"].meta["mask_negative"]
+    seen = []
+    real = evaluate.layer_taps
+    monkeypatch.setattr(evaluate, "layer_taps", lambda s, t, f, r: seen.append((f, r)) or real(s, t, f, r))
+    config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=2)
+    result = evaluate.run_slm(run / "convert", out, inputs, config, negative, tmp_path, Phases("test"))
+    assert len(seen) == 4  # float then QDQ, per graph, on the same feeds
+    for i, (g, name) in enumerate(SLM_GRAPHS.items()):
+        feeds, rows = seen[i]
+        q_feeds, q_rows = seen[2 + i]
+        assert len(feeds) == 2 and q_rows == rows and all(a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+                                                          for a, b in zip(feeds, q_feeds, strict=True))
+        fresh = evaluate.sqnr(onnx.load(str(run / "convert" / name), load_external_data=False),
+                              onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False), feeds, tmp_path,
+                              f"fresh_{g}", rows, weights=(run / "convert", out))
+        assert fresh and result["graphs"][g]["sqnr_db"] == fresh, g
+
+
 @pytest.mark.slow
 def test_simulator_agrees_with_cpu_within_the_bound_distilled(tiny_export_distilled):
     """The stage's HTP check ran inside calibrate on the distilled family (peaked rows, as a trained
@@ -895,7 +926,7 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
 def test_lean_quantizer_writes_the_graph_onnxruntimes_own_quantize_writes(tiny_calibrated, tmp_path):
     """Issue 13: `quantize_graph` runs onnxruntime's calibrator and quantizer with their costly
     parts replaced (`_lean_quantizer`: weightless calibrator model, linear augmentation, constant
-    weight taps, priority order, no arena, faster reader renames and initializer lookups). The
+    weight taps, priority order, no arena, indexed reader renames and initializer lookups). The
     QDQ graph it writes equals the one onnxruntime's unpatched code writes from the same feeds:
     every node and every initializer, bit for bit (tiny tree graph as calibrate prepares it,
     three random passes, the KV and mask overrides calibrate gives it)."""
@@ -918,7 +949,8 @@ def test_lean_quantizer_writes_the_graph_onnxruntimes_own_quantize_writes(tiny_c
         out = tmp_path / f"lean-{lean}" / "tree.qdq.onnx"
         out.parent.mkdir()
         quantize_graph(prepared, out, feeds, overrides={k: [dict(v[0])] for k, v in overrides.items()},
-                       method="minmax", percentile=99.99, activation_bits=16, lean=lean, int4_matmul=False)
+                       method="minmax", percentile=99.99, activation_bits=16, lean=lean, int4_matmul=False,
+                       check_lookups=lean)  # each indexed lookup also against onnxruntime's scan
         graphs[lean] = onnx.load(str(out))
     ours, theirs = graphs[True].graph, graphs[False].graph
     assert len(theirs.node) > 3 * sum(1 for n in theirs.node if n.op_type == "MatMul")  # QDQ everywhere
@@ -927,3 +959,39 @@ def test_lean_quantizer_writes_the_graph_onnxruntimes_own_quantize_writes(tiny_c
     for a, b in zip(ours.initializer, theirs.initializer, strict=True):
         assert a.data_type == b.data_type and np.array_equal(onnx.numpy_helper.to_array(a),
                                                              onnx.numpy_helper.to_array(b)), a.name
+
+
+@pytest.mark.parametrize("n, k", [(6, 8), (5, 8), (6, 7)])
+def test_weights_bitexact_catches_one_changed_nibble_or_scale_bit(n, k):
+    """The proof compares INT4 weights as packed bytes where both dims are even (the other one
+    transposed nibble by nibble first), else unpacked (issue 13): either way one changed nibble,
+    in either layout, or one changed scale bit fails it, naming the weight."""
+    from hyco.convert.export_onnx import pack_int4
+
+    rng = np.random.default_rng(0)
+    ints = rng.integers(-8, 8, (n, k)).astype(np.int8)  # [out, in]
+    scale = rng.random(n).astype(np.float32) + 0.1
+
+    def model(values: np.ndarray, scales: np.ndarray, transposed: bool) -> onnx.ModelProto:
+        stored = values.T if transposed else values  # [in, out] with axis 1, as calibrate deploys
+        w = onnx.helper.make_tensor("w", onnx.TensorProto.INT4, stored.shape, pack_int4(stored), raw=True)
+        s = onnx.numpy_helper.from_array(scales, "w_scale")
+        dq = onnx.helper.make_node("DequantizeLinear", ["w", "w_scale"], ["w_f"], axis=1 if transposed else 0)
+        g = onnx.helper.make_graph([dq], "g", [], [onnx.helper.make_tensor_value_info("w_f", onnx.TensorProto.FLOAT, None)],
+                                   initializer=[w, s])
+        return onnx.helper.make_model(g)
+
+    from hyco.calibrate.quantize import _same_packed_int4
+
+    source = model(ints, scale, False)
+    packed = _same_packed_int4(source.graph.initializer[0], 0, model(ints, scale, True).graph.initializer[0], 1)
+    assert packed is (None if n % 2 or k % 2 else True)  # which comparison ran
+    for transposed in (False, True):
+        assert weights_bitexact(source, model(ints, scale, transposed))["all_equal"]
+        flipped = ints.copy()
+        flipped[n - 1, k - 1] ^= 1
+        result = weights_bitexact(source, model(flipped, scale, transposed))
+        assert not result["all_equal"] and result["missing_or_different"] == ["w"]
+        nudged = scale.copy()
+        nudged.view(np.uint32)[0] ^= 1
+        assert not weights_bitexact(source, model(ints, nudged, transposed))["all_equal"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import io
 import json
+import tempfile
 import zipfile
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -151,7 +152,10 @@ def test_compile_requests_carry_device_options_and_input_specs(tmp_path):
         compile_requests(tmp_path, ExportConfig())
 
 
-def test_hub_export_compiles_profiles_and_reports_through_the_real_client(tmp_path, replay, capsys):
+def test_hub_export_compiles_profiles_and_reports_through_the_real_client(tmp_path, replay, capsys, monkeypatch):
+    system_tmp = tmp_path / "system-tmp"  # qai-hub's upload leaves temp files there unless redirected
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
     session = replay("compile_profile.yaml")
     calibrate = make_calibrate(tmp_path / "calibrate", "compile_profile.yaml")
     assert _export_hub(tmp_path) == 0
@@ -177,7 +181,8 @@ def test_hub_export_compiles_profiles_and_reports_through_the_real_client(tmp_pa
     summary = (out / "hub.md").read_text()
     assert "https://workbench.replay.invalid/jobs/jp-prefill/" in summary and "| 730 |" in summary
     assert sorted(p.name for p in out.iterdir()) == ["hub.json", "hub.md", "mtp_step.bin", "prefill.bin", "tree.bin"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrate", "client.ini", "hub"]  # no temp folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrate", "client.ini", "hub", "system-tmp"]
+    assert list(system_tmp.iterdir()) == []  # no temp folder or file left, ours or qai-hub's
 
 
 def test_failed_compile_job_is_one_line_exit_2_and_nothing_is_written(tmp_path, replay, capsys):

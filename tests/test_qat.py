@@ -1,6 +1,7 @@
 """qat/: captures, clip search, QuantSim student, the static step graph, and the whole stage
 on the fixture family (one short run shared by the stage tests)."""
 
+import contextlib
 import json
 import math
 
@@ -99,6 +100,22 @@ def test_clip_search_picks_the_least_mse_ratio():
             errs.append(float(((torch.clamp(torch.round(w[row] / s), -8, 7) * s - w[row]) ** 2).sum()))
         assert math.isclose(float(ratio[row]), torch.linspace(1.0, 0.6, 41)[int(np.argmin(errs))].item(), rel_tol=1e-6)
     assert ratio[0] < 1.0
+
+
+def test_clip_search_in_place_equals_the_plain_formula():
+    """best_clip_scales runs its search in one buffer (issue 13): the same ops as the plain
+    expression, so the same scales and ratios bit for bit, ties included."""
+    torch.manual_seed(1)
+    w = torch.randn(300, 512) * torch.rand(300, 1)
+    w[::7, 3] *= 20  # outlier rows
+    amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    best_err, best_scale = torch.full((300,), float("inf")), amax / 7
+    for r in torch.linspace(1.0, 0.6, 41).tolist():
+        scale = amax * r / 7
+        err = ((torch.clamp(torch.round(w / scale), -8, 7) * scale - w) ** 2).sum(dim=1)
+        best_scale = torch.where((err < best_err)[:, None], scale, best_scale)
+        best_err = torch.minimum(err, best_err)
+    assert torch.equal(best_clip_scales(w, -8, 7, 1.0, 0.6)[0], best_scale)
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -468,3 +485,43 @@ def test_output_table_waits_on_disk_and_comes_back_bit_exact_and_still_tied(tmp_
     with pytest.raises(RuntimeError, match="inside"), output_table_on_disk(head, tmp_path):
         raise RuntimeError("inside")
     assert torch.equal(param.detach(), before) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rows, cols", [(300, 64), (257, 96)])
+def test_lean_weight_qdq_gives_aimets_gradients_bit_for_bit(tmp_path, rows, cols):
+    """qat.lean_qdq runs AIMET's weight fake-quant backward a block of rows at a time (issue 13:
+    the output layer's backward peaked at 5x its weight). Outputs and the gradients of the
+    weight, its trainable encodings and the activation quantizers equal AIMET's own, bit for bit,
+    blocks not dividing the rows included; the block path is taken only where it applies."""
+    from aimet_torch.quantization.affine.backends import torch_builtins
+    from aimet_torch.quantsim import QuantizationSimModel
+    from hyco.qat.lean_qdq import _RowBlockQDQ, lean_weight_qdq
+    from hyco.qat.quantsim import aimet_config, apply_clip_search
+    from torch import nn
+
+    def run(lean: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(cols, rows, bias=False), nn.Linear(rows, 2, bias=False))
+        x = torch.randn(1, 5, cols)
+        sim = QuantizationSimModel(model, (x,), default_param_bw=4, default_output_bw=16,
+                                   config_file=str(aimet_config(tmp_path / "aimet.json")), in_place=True)
+        sim.compute_encodings(lambda m, _: m(x), None)
+        apply_clip_search(sim, 1.0, 0.6)
+        blocks = []
+        real = _RowBlockQDQ.apply
+        with lean_weight_qdq(block_elements=cols * 7) if lean else contextlib.nullcontext():  # 7-row blocks
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_RowBlockQDQ, "apply", staticmethod(lambda *a: blocks.append(a[0].shape) or real(*a)))
+                y = sim.model(x).as_subclass(torch.Tensor)
+                (y.float() ** 2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in sim.model.named_parameters() if p.grad is not None}
+        return y.detach(), grads, blocks
+
+    y_a, g_a, blocks_a = run(False)
+    y_b, g_b, blocks_b = run(True)
+    assert blocks_a == [] and blocks_b == [torch.Size([rows, cols])]  # the small second layer: AIMET's path
+    assert torch.equal(y_a, y_b)
+    assert g_a.keys() == g_b.keys() and any("param_quantizers" in k for k in g_a)
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), name
+    assert torch_builtins.QuantDequantFunc.__name__ == "QuantDequantFunc"  # AIMET's own again after the block
