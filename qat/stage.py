@@ -177,6 +177,8 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     # drafter graphs are written from the teacher's and the student's.
     table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
     with output_table_on_disk(head, table_folder):
+        with phase("float step graph"):
+            spec = write_float_step(out, head, teacher, keep, kv_shapes, config)
         # Fixed input ranges first: every student sees the graph's input clipping from here on.
         with phase("W8 PTQ"):
             ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
@@ -201,7 +203,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         # 3. the MTP Drafter artifacts (from the teacher's rows and the student's integers: the
         # tables stay on disk through the ONNX export and the quantized graph's parity)
         with phase("drafter graphs"):
-            drafter = write_drafter(out, head, teacher, sim, keep, kv_shapes, ranges, config)
+            drafter = write_drafter(out, head, sim, keep, spec, ranges, config)
         teacher = None  # its keep-set output layer (352 MB at full size) is done with
         # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
         # between the graph and the full student is the 16-bit grid, not range clipping.
@@ -246,19 +248,28 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
             "proof_failed": parity["failure"] and f"parity {parity['failure']}"}
 
 
-def write_drafter(out: Path, head, teacher, sim, keep, kv_shapes, ranges, config: QatConfig) -> dict:
-    """head_w4.safetensors, encodings.json, mtp_step.float.onnx, mtp_step.onnx, io_spec.json."""
+def write_float_step(out: Path, head, teacher, keep, kv_shapes, config: QatConfig):
+    """mtp_step.float.onnx, the unquantized head's drafting step (restricted output layer);
+    returns its io spec. Written from the frozen teacher before any student exists: the ONNX
+    export holds ~2.7x the step's 0.8 GB of fp32 weights (26B-A4B assistant's size), which after
+    training set the stage's peak."""
+    from hyco.qat.step_graph import MtpStep, export_float, io_spec, linear_names, rope_tables
+
+    spec = io_spec(head, kv_shapes, config.window, keep.size, config.topk,
+                   {"rope": rope_tables(head), "mask_negative": config.mask_negative,
+                    "capture_point": config.capture_point, "weight_bits": config.weight_bits,
+                    "activation_bits": config.activation_bits, "float_graph": "mtp_step.float.onnx"})
+    teacher_linears = dict(teacher.named_modules())
+    step = MtpStep(head, {n: teacher_linears[n].weight.detach().cpu() for n in linear_names(len(head.model.layers))},
+                   config.topk).cpu().eval()
+    export_float(step, spec, out / "mtp_step.float.onnx")
+    return spec
+
+
+def write_drafter(out: Path, head, sim, keep, spec, ranges, config: QatConfig) -> dict:
+    """head_w4.safetensors, encodings.json, mtp_step.onnx (from mtp_step.float.onnx), io_spec.json."""
     from hyco.qat.quantsim import integer_weights, quantized_linears
-    from hyco.qat.step_graph import (
-        MtpStep,
-        export_float,
-        fixed_input_ranges,
-        io_spec,
-        param_name,
-        quantize_graph,
-        rope_tables,
-        uint16_qparams,
-    )
+    from hyco.qat.step_graph import fixed_input_ranges, param_name, quantize_graph, uint16_qparams
     from safetensors.torch import save_file
 
     from hyco.io_spec import write_io_spec
@@ -278,16 +289,8 @@ def write_drafter(out: Path, head, teacher, sim, keep, kv_shapes, ranges, config
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "head_w4.safetensors"),
               metadata={"bits": str(config.weight_bits), "format": LINEAR_FORMAT})
 
-    spec = io_spec(head, kv_shapes, config.window, keep.size, config.topk,
-                   {"rope": rope_tables(head), "mask_negative": config.mask_negative,
-                    "capture_point": config.capture_point, "weight_bits": config.weight_bits,
-                    "activation_bits": config.activation_bits, "float_graph": "mtp_step.float.onnx"})
-    # The float twin is the unquantized head (restricted output layer); the shipped graph swaps
-    # every weight for the trained student's integers.
-    teacher_linears = dict(teacher.named_modules())
-    step = MtpStep(head.cpu(), {n: teacher_linears[n].weight.detach().cpu() for n in linears}, config.topk).eval()
-    export_float(step, spec, out / "mtp_step.float.onnx")
-    del step  # its transposed float weights (0.8 GB at the 26B-A4B assistant's size)
+    # the shipped graph: the float twin (`write_float_step`) with every weight swapped for the
+    # trained student's integers
     int_np = {n: (v.cpu().numpy(), s.cpu().numpy()) for n, (v, s) in ints.items()}
     ranges = {**ranges, **fixed_input_ranges(spec, config.mask_negative)}  # every float input gets QDQ
     quantize_graph(out / "mtp_step.float.onnx", out / "mtp_step.onnx", int_np, ranges)
@@ -310,7 +313,6 @@ def write_drafter(out: Path, head, teacher, sim, keep, kv_shapes, ranges, config
                      "scale": [scale], "offset": [-zero], "min": lo, "max": hi,
                      "source": f"p{config.input_percentile} of the train captures" if inp in captured else "fixed by construction",
                      **({"percentile": config.input_percentile} if inp in captured else {})})
-    head.to(next(iter(linears.values())).weight.device)
     write_json(out / "encodings.json", {"version": "1.0.0", "param_encodings": params, "activation_encodings": acts,
                                         "quantizer_args": {"param_bw": config.weight_bits, "activation_bw": config.activation_bits,
                                                            "param_symmetric": True, "per_channel": True}})
