@@ -173,8 +173,8 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         return sim
 
     # The head's 262,144-row tables wait on disk until graph parity's transformers reference
-    # needs them (1.07 GB off the peak); the students copy the teacher's keep-set rows, the
-    # drafter graphs are written from the teacher's and the student's.
+    # needs them (1.07 GB off the peak): the students copy the teacher's keep-set rows, the step
+    # graphs are written from the teacher's weights (float) and the student's (INT4).
     table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
     with output_table_on_disk(head, table_folder):
         with phase("float step graph"):

@@ -625,7 +625,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tiny_calibrated, tmp_path, ca
     assert not out.exists()
 
 
-def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated):
+def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated, monkeypatch):
     """Issue 13: onnxruntime's CPU arena keeps each pass's high-water mark (the dequantized fp32
     weights) and grows pass after pass; calibrate's sessions turn it off and compute the same."""
     from hyco.calibrate.drive import Recorder, cpu_session, slm_driver
@@ -642,6 +642,18 @@ def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated):
     keep = load_keep_set(Path(tiny_calibrated) / "vocab" / "keep_set.json").token_ids
     slm = slm_driver(convert, np.asarray(keep))
     assert slm.tree_session.session.get_session_options().enable_cpu_mem_arena is False
+    # a driver handed its sessions opens none of its own (it used to open and drop both graphs)
+    import hyco.calibrate.drive as drive
+    import hyco.runtime_check.slm_onnx as slm_onnx
+
+    opened = []
+    for module, name in ((drive, "cpu_session"), (slm_onnx, "ort_session")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, **k: opened.append(a) or _real(*a, **k))
+    given = slm_driver(convert, np.asarray(keep), {"tree": sess, "prefill": sess})
+    assert opened == [] and given.tree_session.session is sess and given.prefill_session.session is sess
+    slm_driver(convert, np.asarray(keep))
+    assert len(opened) == 2  # the counting above does count
     # the calibration recording keeps only the outputs it reads (no logits)
     rec = Recorder(sess, "tree", output_prefixes=("new_k_",))
     names = [o.name for o in sess.get_outputs()]
