@@ -142,8 +142,9 @@ def compile_context(graph: Path, out_dir: Path, name: str, *, soc_model: int) ->
 def compile_isolated(graph: Path, out_dir: Path, name: str, *, soc_model: int) -> Compiled:
     """`compile_context` in a fresh process. The QNN compiler keeps memory after its session is
     gone (E2B-shaped tree, 1 GB of weights: 2,432 MiB still resident after its compile); each
-    compile's memory now goes with its process (measured: the tree's compile 5,480 MiB, the
-    prefill's 6,682 MiB, which is that compile's own need: 6,699 after the tree's in one process).
+    compile's memory now goes with its process (measured: the tree's compile 5,481 MiB, the
+    prefill's 5,724 MiB, each with this process's ~50 MiB; the 6,682 MiB first measured for the
+    prefill's included 1 GB that `binary_info` then kept alive here).
     Its peak, plus this process's RSS, counts in this
     process's peak figure (`hyco.artifacts.note_child_peak`); the child dies with this process
     (a killed stage leaves no compiler running). Errors come back as raised in the child."""

@@ -208,7 +208,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
         # between the graph and the full student is the 16-bit grid, not range clipping.
         with phase("graph parity: quantized"):
-            rows = parity_positions(calib[0], drafter["spec"], config)
+            rows = parity_positions(calib[0], spec, config)
             quantized = quantized_parity(out, head, sim, rows, config)
         del sim
         gc.collect()  # the student (QuantSim's reference cycles) goes before the tables come back
@@ -230,7 +230,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
                      "train_tokens": sum(r["tokens"] for r in train.rows), "eval_tokens": sum(r["tokens"] for r in evals.rows)},
         "input_ranges": ranges,
         "parity": parity,
-        "drafter": {k: v for k, v in drafter.items() if k != "spec"},
+        "drafter": drafter,
         "phases": phase.rows,
         "wall_s": round(time.perf_counter() - start, 2),
     }
@@ -316,7 +316,7 @@ def write_drafter(out: Path, head, sim, keep, spec, ranges, config: QatConfig) -
     write_json(out / "encodings.json", {"version": "1.0.0", "param_encodings": params, "activation_encodings": acts,
                                         "quantizer_args": {"param_bw": config.weight_bits, "activation_bw": config.activation_bits,
                                                            "param_symmetric": True, "per_channel": True}})
-    return {"spec": spec, "linears": len(ints), "weight_bytes_int4": sum(v.numel() for v, _ in ints.values()) // 2}
+    return {"linears": len(ints), "weight_bytes_int4": sum(v.numel() for v, _ in ints.values()) // 2}
 
 
 def parity_positions(cap, spec, config: QatConfig, positions: int = 8) -> list[tuple]:
