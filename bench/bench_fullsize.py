@@ -78,16 +78,17 @@ def run_one(stage: str, recipe_path: Path, run_dir: Path, overrides: list[str]) 
 
 
 def measure(cmd: list[str], log: Path) -> dict:
-    """Run `cmd` with its output in `log`: wall seconds, the child's peak RSS (MiB, its own
-    children included: wait4 reports the larger), exit status."""
+    """Run `cmd` with its output in `log`: wall seconds, CPU seconds (the child's and those of
+    the children it waited for), the child's peak RSS (MiB, its own children included: wait4
+    reports the larger), exit status."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-    return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "rc": proc.returncode}
+    return {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "rc": proc.returncode}
 
 
 def stage_manifest_peak(folder: Path) -> float:
@@ -208,7 +209,8 @@ def mb(b) -> str:
 def summary_md(report: dict) -> str:
     from hyco.artifacts import markdown_table
 
-    rows = [{"stage": s["stage"], "status": s["status"], "wall_s": s["wall_s"], "peak_rss_mib": round(s["peak_rss_mb"]),
+    rows = [{"stage": s["stage"], "status": s["status"], "wall_s": s["wall_s"], "cpu_s": s.get("cpu_s", "-"),
+             "peak_rss_mib": round(s["peak_rss_mb"]),
              "bytes_written": mb(s["bytes"]), "files": s["files"], "load_avg_after": s["load_avg_after"]}
             for s in report["stages"]]
     t = report["totals"]
@@ -226,12 +228,14 @@ def summary_md(report: dict) -> str:
           ""]
     for st in report["stages"]:
         if st.get("phases"):
-            md += [f"{st['stage']} by phase (peak RSS: the process's so far, so the phase where it rises set it; "
-                   "RSS at end: what the phase left for the next):", "",
-                   markdown_table([{"phase": k, "wall_s": v["wall_s"], "peak_rss_mib_so_far": round(v["peak_rss_mb"]),
+            md += [f"{st['stage']} by phase (cpu_s / wall_s: cores kept busy, of {report['machine']['cpus']}; peak "
+                   "RSS: the process's so far, so the phase where it rises set it; RSS at end: what the phase left "
+                   "for the next):", "",
+                   markdown_table([{"phase": k, "wall_s": v["wall_s"], "cpu_s": v.get("cpu_s", "-"),
+                                    "peak_rss_mib_so_far": round(v["peak_rss_mb"]),
                                     "rss_mib_at_end": round(v["rss_mb"]) if "rss_mb" in v else "-"}
                                    for k, v in st["phases"].items()],
-                                  ["phase", "wall_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
+                                  ["phase", "wall_s", "cpu_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
     if report.get("fixtures"):
         f = report["fixtures"]
         md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")

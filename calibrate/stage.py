@@ -389,7 +389,11 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     from hyco.answers import answer_stats
 
     report["data"] = answer_stats(inputs["answers"])
-    with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp:
+    from hyco.convert.int4_matmul import shared_repacks
+
+    # ten CPU sessions over six weight files (convert's, the prepared and the parity graphs):
+    # each INT4 weight is repacked for MatMulNBits once, not per session (~3 s each at E2B size)
+    with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks():
         tmp = Path(tmp)
         slm = calibrate_slm(convert, inputs, config, tmp, out, phase)
         with phase("mtp: record, prepare, quantize"):

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from hyco.convert.int4_matmul import fuse_int4_matmuls
+from hyco.convert.int4_matmul import fuse_int4_matmuls, shares_repacks
 from hyco.convert.static_model import IntLinear, StaticGemma
 
 from hyco.io_spec import GraphSpec
@@ -398,5 +398,5 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     try:
         return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
     finally:
-        if fused_folder is not None:  # the session has read its weights
+        if fused_folder is not None and not shares_repacks(fused_folder):  # the session has read its weights
             shutil.rmtree(fused_folder)

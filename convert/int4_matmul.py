@@ -17,12 +17,19 @@ MatMulNBits' 8-bit path is slower than DequantizeLinear -> Gemm here).
 
 For CPU sessions only (`convert.export_onnx.session_for`): the graphs on disk and the deployed
 ones keep DequantizeLinear -> MatMul, which is what the HTP's QDQ matcher reads.
+
+Repacking costs ~3 s per E2B-sized session (repack 1.9 s, writing the 1 GB folder 1.2 s) and
+calibrate opens ten sessions over the same few weight files: inside `shared_repacks()` every
+session reads one folder in which each source tensor is repacked (or copied) and written once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +37,60 @@ import numpy as np
 from hyco.onnx_graph import consumers as graph_consumers
 
 FUSED_DATA = "int4_matmul.data"  # the session's repacked weights, in a folder of its own
+_shared: dict | None = None  # shared_repacks' folder and index while its block runs
+
+
+@contextlib.contextmanager
+def shared_repacks() -> Iterator[Path]:
+    """Within the block, the CPU sessions `session_for` opens share one folder of external data:
+    a source tensor (its file's identity, offset and length, and how it is repacked) is written
+    there once and every later session points at those bytes. The folder goes when the block
+    ends; a nested block uses the outer one's."""
+    global _shared
+    if _shared is not None:
+        yield _shared["folder"]
+        return
+    folder = Path(tempfile.mkdtemp(prefix="hyco-int4-shared-"))
+    _shared = {"folder": folder, "index": {}}
+    try:
+        yield folder
+    finally:
+        _shared = None
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def shares_repacks(folder: Path) -> bool:
+    """Whether `folder` is the open `shared_repacks` folder (its block removes it, not a session)."""
+    return _shared is not None and Path(folder) == _shared["folder"]
+
+
+def _source_key(tensor, folder: Path, how: tuple) -> tuple | None:
+    """Identity of an external tensor's bytes as they are now (a rewritten file gets a new key),
+    or None for a tensor stored in the graph itself."""
+    from onnx.external_data_helper import uses_external_data
+
+    if not uses_external_data(tensor):
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    path = folder / info["location"]
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # _read_raw names the missing file
+    return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, info.get("offset", "0"),
+            info.get("length"), how)
+
+
+def _store(data, index: dict | None, key: tuple | None, make) -> tuple[int, int]:
+    """(offset, length) in `data` of the bytes `make()` returns, written unless `index` holds `key`."""
+    if index is not None and key is not None and key in index:
+        return index[key]
+    raw = make()
+    place = (data.tell(), len(raw))
+    data.write(raw)
+    if index is not None and key is not None:
+        index[key] = place
+    return place
 
 
 def block_size(k: int) -> int:
@@ -150,8 +211,9 @@ def _fusable(dq, inits: dict, consumers: dict, outputs: set[str], folder: Path):
 def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
     """Rewrite `model` in place (weightless, external data in `weights_folder`); returns how many
     MatMuls were fused and the folder the session must read external data from: a new temporary
-    folder holding the repacked weights and the graph's other external tensors, or None when
-    nothing was fused. The caller removes it once the session has loaded (`session_for`)."""
+    folder holding the repacked weights and the graph's other external tensors, which the caller
+    removes once the session has loaded (`session_for`), or `shared_repacks`' folder inside its
+    block, or None when nothing was fused."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     consumers = graph_consumers(graph)
@@ -163,6 +225,9 @@ def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
             plans[id(plan[0])] = (node, *plan)
     if not plans:
         return 0, None
+    if _shared is not None:
+        _write_fused(model, Path(weights_folder), _shared["folder"], plans, inits, outputs, _shared["index"])
+        return len(plans), _shared["folder"]
     folder = Path(tempfile.mkdtemp(prefix="hyco-int4-matmul-"))
     try:
         _write_fused(model, Path(weights_folder), folder, plans, inits, outputs)
@@ -172,30 +237,34 @@ def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
     return len(plans), folder
 
 
-def _write_fused(model, weights_folder: Path, folder: Path, plans: dict, inits: dict, outputs: set[str]) -> None:
+def _write_fused(model, weights_folder: Path, folder: Path, plans: dict, inits: dict, outputs: set[str],
+                 index: dict | None = None) -> None:
+    """`index`: shared_repacks' (source key -> place in FUSED_DATA), appended to; None: a fresh file."""
     from onnx import TensorProto, helper, numpy_helper
     from onnx.external_data_helper import uses_external_data
 
     graph = model.graph
     dropped, nodes, repacked = set(), [], set()
-    with open(folder / FUSED_DATA, "wb") as data:
+    mode = "wb" if index is None else "ab"
+    with open(folder / FUSED_DATA, mode) as data:
         for node in graph.node:
             if id(node) not in plans:
                 nodes.append(node)
                 continue
             dq, matmul, act, transposed, replaced = plans[id(node)]
             weight, scale = inits[dq.input[0]], _float_array(inits[dq.input[1]], Path(weights_folder))
-            b = matmul_nbits_weight(_read_raw(weight, Path(weights_folder)), tuple(weight.dims), transposed)
-            n, blocks = b.shape[0], b.shape[1]
+            n, k = (weight.dims[1], weight.dims[0]) if transposed else tuple(weight.dims)
+            blocks = -(-k // block_size(k))
+            key = _source_key(weight, Path(weights_folder), ("nbits", tuple(weight.dims), transposed))
+            place = _store(data, index, key, lambda w=weight, t=transposed: matmul_nbits_weight(
+                _read_raw(w, Path(weights_folder)), tuple(w.dims), t).tobytes())
             tag = f"{matmul.name or matmul.output[0]}/nbits"
-            b_tensor = TensorProto(name=f"{tag}/B", data_type=TensorProto.UINT8, dims=b.shape)
-            _point_at(b_tensor, data.tell(), b.nbytes)
-            data.write(b.tobytes())
+            b_tensor = TensorProto(name=f"{tag}/B", data_type=TensorProto.UINT8, dims=(n, blocks, block_size(k) // 2))
+            _point_at(b_tensor, *place)
             scales = numpy_helper.from_array(np.repeat(np.broadcast_to(scale, (n,)), blocks).astype(np.float32),
                                              f"{tag}/scales")
             graph.initializer.extend([b_tensor, scales])
             repacked.add(b_tensor.name)
-            k = weight.dims[0] if transposed else weight.dims[1]
             nodes.append(helper.make_node("MatMulNBits", [act, b_tensor.name, scales.name], list(matmul.output),
                                           domain="com.microsoft", K=k, N=n, bits=4, block_size=block_size(k),
                                           name=tag))
@@ -211,8 +280,7 @@ def _write_fused(model, weights_folder: Path, folder: Path, plans: dict, inits: 
         # graph's other external tensors (norms, scales, INT8 weights: ~1% here) are copied along
         for tensor in graph.initializer:  # (extend copied `kept`: change the graph's own)
             if uses_external_data(tensor) and tensor.name not in repacked:
-                raw = _read_raw(tensor, Path(weights_folder))
-                _point_at(tensor, data.tell(), len(raw))
-                data.write(raw)
+                key = _source_key(tensor, Path(weights_folder), ("raw",))
+                _point_at(tensor, *_store(data, index, key, lambda t=tensor: _read_raw(t, Path(weights_folder))))
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

@@ -112,10 +112,18 @@ def rss_mb() -> float:
     return 0.0
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of the children it has waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class Phases:
-    """Wall seconds, the process's peak RSS so far and its RSS now at the end of each named phase
-    of a stage, for its report: the phase where `peak_rss_mb` jumps is the one that set the
-    stage's peak; `rss_mb` is what the phase left behind.
+    """Wall seconds, CPU seconds, the process's peak RSS so far and its RSS now at the end of each
+    named phase of a stage, for its report: the phase where `peak_rss_mb` jumps is the one that
+    set the stage's peak; `rss_mb` is what the phase left behind; `cpu_s` / `wall_s` is how many
+    cores the phase kept busy (this process and the workers it waited for), i.e. where a core
+    idles.
     Each finished phase is also logged at INFO on `hyco.phases` (bench/bench_fullsize.py shows
     them; the CLI keeps stderr for errors)."""
 
@@ -124,13 +132,14 @@ class Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         yield
-        row = {"wall_s": round(time.perf_counter() - start, 2), "peak_rss_mb": round(peak_rss_mb(), 1),
-               "rss_mb": round(rss_mb(), 1)}
+        row = {"wall_s": round(time.perf_counter() - start, 2), "cpu_s": round(cpu_seconds() - cpu, 2),
+               "peak_rss_mb": round(peak_rss_mb(), 1), "rss_mb": round(rss_mb(), 1)}
         self.rows[name] = row
-        logging.getLogger("hyco.phases").info("%s: %s %s s, peak RSS so far %.0f MiB, RSS at its end %.0f MiB",
-                                              self.stage, name, row["wall_s"], row["peak_rss_mb"], row["rss_mb"])
+        logging.getLogger("hyco.phases").info("%s: %s %s s (CPU %s s), peak RSS so far %.0f MiB, RSS at its "
+                                              "end %.0f MiB", self.stage, name, row["wall_s"], row["cpu_s"],
+                                              row["peak_rss_mb"], row["rss_mb"])
 
 
 def write_json(path: Path, obj: Any) -> Path:

@@ -97,6 +97,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     from hyco.qat.capture import CaptureSet, capture_answers
     from hyco.qat.embed_lut import EMBED_LUT, write_embed_lut
     from hyco.qat.evaluate import agreement
+    from hyco.qat.lean_qdq import weights_quantized_once
     from hyco.qat.mtp import TeacherForcedHead, output_table_on_disk
     from hyco.qat.quantsim import (
         aimet_config,
@@ -184,21 +185,24 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
             ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
             results = {}
             sim8 = calibrated(8)
-            results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
+            with weights_quantized_once(sim8.model):
+                results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
             del sim8
             gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
         with phase(f"W{config.weight_bits} PTQ"):
             sim = calibrated(config.weight_bits)
             clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
-            results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-            results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+            with weights_quantized_once(sim.model):
+                results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+                results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
         with phase(f"W{config.weight_bits} QAT"):
             train_start = time.perf_counter()
             history = train_student(sim, teacher, train, config, sliding_window, device)
             train_s = time.perf_counter() - train_start
             recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
-            results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-            results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
+            with weights_quantized_once(sim.model):
+                results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
+                results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
 
         # 3. the MTP Drafter artifacts (from the teacher's rows and the student's integers: the
         # tables stay on disk through the ONNX export and the quantized graph's parity)
@@ -209,7 +213,8 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         # between the graph and the full student is the 16-bit grid, not range clipping.
         with phase("graph parity: quantized"):
             rows = parity_positions(calib[0], spec, config)
-            quantized = quantized_parity(out, head, sim, rows, config)
+            with weights_quantized_once(sim.model):
+                quantized = quantized_parity(out, head, sim, rows, config)
         del sim
         gc.collect()  # the student (QuantSim's reference cycles) goes before the tables come back
     table_folder.rmdir()

@@ -217,3 +217,47 @@ def test_int4_extremes_from_packed_bytes_equal_the_unpacked_ones(shape, axis):
         others = None if axis is None else 1 - axis
         np.testing.assert_array_equal(lo, ints.min(axis=others))
         np.testing.assert_array_equal(hi, ints.max(axis=others))
+
+
+def test_shared_repacks_repack_each_weight_once_and_change_no_output(tmp_path, monkeypatch):
+    """Inside `shared_repacks`, sessions over the same weights file read one folder in which each
+    weight was repacked once; their outputs are bit-equal to a session of its own; no
+    per-session folder is made, and the shared one is gone after the block."""
+    from hyco.convert import int4_matmul
+    from hyco.convert.export_onnx import ort_session
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    path, _, _ = weight_graph(tmp_path, 40, 64, [1, 3], False, seed=7)
+    x = np.random.default_rng(3).standard_normal((1, 3, 64)).astype(np.float32)
+    alone = ort_session(path).run(None, {"x": x})[0]
+    calls = []
+    real = int4_matmul.matmul_nbits_weight
+    monkeypatch.setattr(int4_matmul, "matmul_nbits_weight", lambda *a: calls.append(a[1]) or real(*a))
+    with int4_matmul.shared_repacks() as folder:
+        outs = [ort_session(path).run(None, {"x": x})[0] for _ in range(3)]
+        assert list(scratch.iterdir()) == [folder]  # one folder, no per-session ones
+        size = (folder / int4_matmul.FUSED_DATA).stat().st_size
+        assert size == 40 * 64 // 2  # the repacked weight, once (the scales are in the graph)
+    assert calls == [(40, 64)]
+    assert not folder.exists() and list(scratch.iterdir()) == []
+    for out in outs:
+        np.testing.assert_array_equal(out, alone)
+
+
+def test_shared_repacks_see_a_rewritten_weights_file(tmp_path):
+    """A weights file rewritten in place inside the block (same path, new integers) is read
+    again, not served from the first repack."""
+    from hyco.convert import int4_matmul
+    from hyco.convert.export_onnx import ort_session
+
+    x = np.random.default_rng(4).standard_normal((1, 2, 32)).astype(np.float32)
+    with int4_matmul.shared_repacks():
+        path, _, _ = weight_graph(tmp_path, 24, 32, [1, 2], True, seed=1)
+        first = ort_session(path).run(None, {"x": x})[0]
+        path, ints, scale = weight_graph(tmp_path, 24, 32, [1, 2], True, seed=2)
+        second = ort_session(path).run(None, {"x": x})[0]
+    expected = x.astype(np.float64) @ (ints.astype(np.float64) * scale[:, None].astype(np.float64)).T
+    np.testing.assert_allclose(second, expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(first - second).max() > 0.1  # the two weight sets do differ

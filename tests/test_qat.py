@@ -525,3 +525,47 @@ def test_lean_weight_qdq_gives_aimets_gradients_bit_for_bit(tmp_path, rows, cols
     for name in g_a:
         assert torch.equal(g_a[name], g_b[name]), name
     assert torch_builtins.QuantDequantFunc.__name__ == "QuantDequantFunc"  # AIMET's own again after the block
+
+
+def test_weights_quantized_once_gives_the_same_outputs_and_quantizes_once(tiny, tmp_path, monkeypatch):
+    """qat.lean_qdq.weights_quantized_once (evaluation only): the student's outputs, with and
+    without its activation quantizers, equal AIMET's per-forward weight fake-quant bit for bit;
+    inside the block the weight quantizers run once per weight, not once per forward; after it
+    AIMET's own method is back (a changed encoding is seen again)."""
+    from aimet_torch.quantization.affine.backends import torch_builtins
+    from aimet_torch.utils import remove_activation_quantizers
+    from hyco.qat.lean_qdq import weights_quantized_once
+    from hyco.qat.mtp import teacher_forced_inputs
+    from hyco.qat.quantsim import aimet_config, apply_clip_search, make_student, plain, quantized_linears
+
+    _, head, states = tiny
+    example = teacher_forced_inputs(states.embeds, states.hidden, states.kv, SLIDING_WINDOW)
+    sim = make_student(head, torch.arange(0, VOCAB, 2), example, weight_bits=4, activation_bits=16,
+                       config_path=aimet_config(tmp_path / "aimet.json"))
+    sim.compute_encodings(lambda m, _: m(*example), None)
+    apply_clip_search(sim, 1.0, 0.6)
+
+    def outputs():
+        with torch.no_grad():
+            full = plain(sim.model(*example)[0])
+            with remove_activation_quantizers(sim.model):
+                weights_only = plain(sim.model(*example)[0])
+        return full, weights_only
+
+    calls = []
+    real = torch_builtins.quantize_dequantize
+    monkeypatch.setattr(torch_builtins, "quantize_dequantize", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
+    reference = outputs() + outputs()
+    per_forward = len(calls)
+    calls.clear()
+    with weights_quantized_once(sim.model):
+        once = outputs() + outputs()
+    linears = len(quantized_linears(sim))
+    weight_calls = [s for s in calls if len(s) == 2]
+    assert len(weight_calls) == linears and per_forward > len(calls)  # once each, on entry
+    for a, b in zip(reference, once, strict=True):
+        assert torch.equal(a, b)
+    layer = next(iter(quantized_linears(sim).values()))
+    layer.param_quantizers["weight"].set_range(layer.param_quantizers["weight"].min * 0.5,
+                                               layer.param_quantizers["weight"].max * 0.5)
+    assert not torch.equal(outputs()[0], reference[0])  # AIMET's per-forward quantization again
