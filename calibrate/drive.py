@@ -42,10 +42,11 @@ class SpilledPasses:
     access. At E2B size a pass's feeds are 27-32 MB (rings, masks, per-layer rows) and its
     logits 11-45 MB: the ~100 passes calibrate and its evaluation record held 4-6 GB in memory."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, count: int = 0):
+        """`count`: passes already in `folder` (another process's, read back)."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.count = 0
+        self.count = count
 
     def append(self, item: tuple[dict, dict]) -> None:
         for part, values in zip(("feeds", "outputs"), item, strict=True):

@@ -244,63 +244,125 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
 
 
 def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
-                  phase: Phases) -> dict[str, Any]:
-    from hyco.calibrate.masks import choose_mask
-    from hyco.calibrate.prepare import WeightFile, load_graph, prepare_slm, save_streamed
-    from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
-    from onnxruntime.quantization import QuantType
+                  phase: Phases, weight_bits: dict[str, int]) -> dict[str, Any]:
+    """Record convert's graphs, then prepare, measure, quantize and write each deployable graph
+    (`deployable`), tree and prefill side by side, each in a worker process of its own: their
+    Python work (graph rewriting, onnxruntime's quantizer) runs on one core each (issue 13)."""
+    from hyco.calibrate.masks import MaskStats, choose_mask
+
+    from hyco.workers import in_processes
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
     # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
     with phase("record float passes"):
         slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
                          spill=tmp / "recorded")[0]
-        recorded = {"tree": slm.tree_session.passes, "prefill": slm.prefill_session.passes}
+        recorded = {g: (s.passes.folder, len(s.passes)) for g, s in (("tree", slm.tree_session),
+                                                                    ("prefill", slm.prefill_session))}
         del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
-    result: dict[str, Any] = {"passes": {g: len(p) for g, p in recorded.items()}}
-    # Each graph is prepared with its weights on disk (prepare.load_graph: one weight in memory at
-    # a time), written to tmp/ and measured in turn; the quantizer reads the file.
-    prepared, mask_stats = {}, {}
-    for g, name in SLM_GRAPHS.items():
-        with phase(f"{g}: prepare"):
-            path = tmp / f"{g}.prepared.onnx"
-            with WeightFile(path) as weights:  # the transposed weights go there as they are made
-                prepared[g] = prepare_slm(load_graph(convert / name), convert, weights)
-                save_streamed(prepared[g], convert, path, weights=weights)  # now refers to path's weights
-        with phase(f"{g}: mask statistics"):
-            feeds = [f for f, _ in subsample(recorded[g], config.max_passes, config.seed)]  # reads only those back
-            mask_stats[g] = measure_masks(prepared[g], feeds, tmp, f"{g}_stats")  # its session reads the file's weights
+    result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}
+    with phase("tree + prefill: prepare, mask statistics (a process each)"):
+        measured = dict(zip(SLM_GRAPHS, in_processes(
+            prepare_and_measure, [(convert, g, tmp, *recorded[g], config) for g in SLM_GRAPHS],
+            "calibrate: preparing the SLM graphs"), strict=True))
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows
-    from hyco.calibrate.masks import MaskStats
-
-    both = MaskStats({f"{g}:{k}": v for g, (s, _) in mask_stats.items() for k, v in s.layers.items()})
+    both = MaskStats({f"{g}:{k}": v for g, m in measured.items() for k, v in m["mask_stats"].layers.items()})
     mask = choose_mask(both, floor=config.mask_floor, headroom=config.mask_headroom)
-    negative = mask["mask_negative"]
     result["mask"] = mask
-    result["graphs"] = {}
-    for g in SLM_GRAPHS:
-        passes = subsample(recorded.pop(g), config.max_passes, config.seed)  # the rest are dropped here
-        feeds = [{k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if k.startswith("mask_") else v)
-                  for k, v in f.items()} for f, _ in passes]
-        overrides, kv_ranges = kv_overrides(prepared[g], feeds, [o for _, o in passes], config)
-        m_scale, m_zero = mask_qparams(negative)
-        for inp in prepared[g].graph.input:
-            if inp.name.startswith("mask_"):
-                overrides[inp.name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(m_scale, np.float32),
-                                        "zero_point": np.array(m_zero, np.uint16)}]
-        _, ranges = mask_stats[g]
-        widened = htp_range_overrides(ranges, overrides)
-        src = tmp / f"{g}.prepared.onnx"  # written above
-        parity = out / PARITY_NAMES[g]
-        with phase(f"{g}: quantize"):
-            quantize_graph(src, parity, feeds, overrides=overrides, method=config.activation_calibration,
-                           percentile=config.activation_percentile, activation_bits=config.activation_bits)
-        result["graphs"][g] = {"quantize_s": phase.rows[f"{g}: quantize"]["wall_s"], "calibration_passes": len(feeds),
-                               "kv_ranges": kv_ranges,
-                               "htp_ranges_widened": widened}
-        result["graphs"][g]["deploy_model"] = parity  # the stage writes the deployable graph from it
-        del passes, feeds
+    with phase("tree + prefill: quantize, deployable graph, bit-exact proof, encodings (a process each)"):
+        jobs = [(convert, g, tmp, out, *recorded[g], measured[g]["ranges"], mask["mask_negative"], config,
+                 inputs["convert_specs"][SLM_GRAPHS[g]], weight_bits) for g in SLM_GRAPHS]
+        done = dict(zip(SLM_GRAPHS, in_processes(quantize_and_deploy, jobs, "calibrate: quantizing the SLM graphs"),
+                        strict=True))
+    result["graphs"] = {g: {**d["graph"], "worker_phases": {**measured[g]["phases"], **d["phases"]}}
+                        for g, d in done.items()}
+    result["deployed"] = {g: d["deployed"] for g, d in done.items()}
     return result
+
+
+def prepare_and_measure(convert: Path, g: str, tmp: Path, recorded: Path, passes: int,
+                        config: CalibrateConfig) -> dict[str, Any]:
+    """(A worker's job.) convert's graph `g` prepared for the HTP into tmp/<g>.prepared.onnx with
+    its weights on disk (prepare.load_graph: one weight in memory at a time), and its mask
+    statistics over the recorded passes (`measure_masks`)."""
+    from hyco.calibrate.drive import SpilledPasses
+    from hyco.calibrate.prepare import WeightFile, load_graph, prepare_slm, save_streamed
+
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
+    path = tmp / f"{g}.prepared.onnx"
+    with WeightFile(path) as weights:  # the transposed weights go there as they are made
+        prepared = prepare_slm(load_graph(convert / SLM_GRAPHS[g]), convert, weights)
+        save_streamed(prepared, convert, path, weights=weights)  # now refers to path's weights
+    phases["prepare_s"] = round(time.perf_counter() - start, 2)
+    start = time.perf_counter()
+    feeds = [f for f, _ in subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)]
+    stats, ranges = measure_masks(prepared, feeds, tmp, f"{g}_stats")  # its session reads the file's weights
+    phases["mask_statistics_s"] = round(time.perf_counter() - start, 2)
+    return {"mask_stats": stats, "ranges": ranges, "phases": phases}
+
+
+def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: Path, passes: int, ranges: dict,
+                        negative: float, config: CalibrateConfig, base_spec, weight_bits: dict[str, int]) -> dict:
+    """(A worker's job.) The prepared graph `g` quantized into its parity twin (out/PARITY_NAMES)
+    with the KV, mask and HTP-range overrides, then its deployable graph (`deployable`)."""
+    from hyco.calibrate.drive import SpilledPasses
+    from hyco.calibrate.prepare import load_graph
+    from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
+    from onnxruntime.quantization import QuantType
+
+    src = tmp / f"{g}.prepared.onnx"
+    prepared = load_graph(src)
+    picked = subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)
+    feeds = [{k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if k.startswith("mask_") else v)
+              for k, v in f.items()} for f, _ in picked]
+    overrides, kv_ranges = kv_overrides(prepared, feeds, [o for _, o in picked], config)
+    masks = [i.name for i in prepared.graph.input if i.name.startswith("mask_")]
+    del picked, prepared
+    m_scale, m_zero = mask_qparams(negative)
+    for name in masks:
+        overrides[name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(m_scale, np.float32),
+                            "zero_point": np.array(m_zero, np.uint16)}]
+    widened = htp_range_overrides(ranges, overrides)
+    parity = out / PARITY_NAMES[g]
+    start = time.perf_counter()
+    quantize_graph(src, parity, feeds, overrides=overrides, method=config.activation_calibration,
+                   percentile=config.activation_percentile, activation_bits=config.activation_bits)
+    quantize_s = round(time.perf_counter() - start, 2)
+    start = time.perf_counter()
+    deployed = deployable(g, parity, convert / SLM_GRAPHS[g], out, base_spec, negative, weight_bits)
+    return {"graph": {"quantize_s": quantize_s, "calibration_passes": len(feeds), "kv_ranges": kv_ranges,
+                      "htp_ranges_widened": widened},
+            "phases": {"quantize_s": quantize_s, "deployable_s": round(time.perf_counter() - start, 2)},
+            "deployed": deployed}
+
+
+def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negative: float,
+               weight_bits: dict[str, int]) -> dict[str, Any]:
+    """The parity twin's graph with its weights on disk -> the deployable graph out/OUT_NAMES[g]
+    (no logits output on the SLM graphs, uint8 KV boundary; the weights streamed into its file),
+    with its proofs: integer weights bit-exact against `source`, no encoding an HTP kernel
+    computes wrong; and its AIMET encodings and io_spec."""
+    from hyco.calibrate.prepare import drop_outputs, load_graph, save_streamed
+    from hyco.calibrate.quantize import (
+        boundary_qparams,
+        encodings,
+        htp_encoding_violations,
+        kv_io_uint8,
+        weights_bitexact,
+    )
+
+    model = load_graph(parity)
+    if g != "mtp":
+        model = drop_outputs(model, {"logits"})
+    kv_in = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
+    kv_out = [o.name for o in model.graph.output if o.name.startswith(("new_k_", "new_v_"))]
+    save_streamed(kv_io_uint8(model, kv_in, kv_out), parity.parent, out / OUT_NAMES[g])
+    model = load_graph(out / OUT_NAMES[g])  # scales back in memory, weights on disk
+    return {"bitexact": weights_bitexact(load_graph(source), model, folders=(source.parent, out)),
+            "traps": htp_encoding_violations(model),
+            "encodings": encodings(model, weight_bits if g != "mtp" else {}),
+            "spec": quantized_spec(base_spec, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])}
 
 
 # --- MTP step graph -----------------------------------------------------------------------------
@@ -369,14 +431,6 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
     temp folder, so nothing moves into place) unless `allow_proof_failure`."""
     from hyco.calibrate import evaluate
-    from hyco.calibrate.prepare import drop_outputs, load_graph, save_streamed
-    from hyco.calibrate.quantize import (
-        boundary_qparams,
-        encodings,
-        htp_encoding_violations,
-        kv_io_uint8,
-        weights_bitexact,
-    )
 
     start = time.perf_counter()
     phase = Phases("calibrate")
@@ -395,32 +449,18 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     # each INT4 weight is repacked for MatMulNBits once, not per session (~3 s each at E2B size)
     with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks():
         tmp = Path(tmp)
-        slm = calibrate_slm(convert, inputs, config, tmp, out, phase)
+        weight_bits = convert_weight_bits(convert)
+        slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits)
         with phase("mtp: record, prepare, quantize"):
             mtp = calibrate_mtp(qat, inputs, config, tmp, out)
-        c_specs, q_specs = inputs["convert_specs"], inputs["qat_specs"]
-        weight_bits = convert_weight_bits(convert)
-        specs, enc, bitexact, traps = {}, {}, {}, {}
-        for g in ("tree", "prefill", "mtp"):  # one graph in memory at a time
-            with phase(f"{g}: deployable graph, bit-exact proof, encodings"):
-                # the parity twin's graph with its weights on disk: no logits output (SLM), uint8 KV
-                # boundary; the weights are streamed into the deployable graph's file
-                parity = slm["graphs"][g].pop("deploy_model") if g != "mtp" else mtp.pop("deploy_model")
-                model = load_graph(parity)
-                if g != "mtp":
-                    model = drop_outputs(model, {"logits"})
-                kv_in = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
-                kv_out = [o.name for o in model.graph.output if o.name.startswith(("new_k_", "new_v_"))]
-                save_streamed(kv_io_uint8(model, kv_in, kv_out), parity.parent, out / OUT_NAMES[g])
-                model = load_graph(out / OUT_NAMES[g])  # scales back in memory, weights on disk
-                source = convert / SLM_GRAPHS[g] if g != "mtp" else qat / MTP_GRAPH
-                bitexact[g] = weights_bitexact(load_graph(source), model, folders=(source.parent, out))
-                traps[g] = htp_encoding_violations(model)
-                enc[OUT_NAMES[g]] = encodings(model, weight_bits if g != "mtp" else {})
-                base = c_specs[SLM_GRAPHS[g]] if g != "mtp" else q_specs[MTP_GRAPH]
-                negative = slm["mask"]["mask_negative"] if g != "mtp" else mtp["mask"]["mask_negative"]
-                specs[g] = quantized_spec(base, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])
-        del model
+        with phase("mtp: deployable graph, bit-exact proof, encodings"):
+            deployed = {**slm.pop("deployed"), "mtp": deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
+                                                                 inputs["qat_specs"][MTP_GRAPH],
+                                                                 mtp["mask"]["mask_negative"], weight_bits)}
+        specs = {g: d["spec"] for g, d in deployed.items()}
+        bitexact = {g: d["bitexact"] for g, d in deployed.items()}
+        traps = {g: d["traps"] for g, d in deployed.items()}
+        enc = {OUT_NAMES[g]: d["encodings"] for g, d in deployed.items()}
         fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
                                     mtp["mask"]["mask_negative"], tmp, phase)
         for g in ("tree", "prefill", "mtp"):  # the HTP-vs-CPU bound, for this stage's check and export's smoke

@@ -109,7 +109,7 @@ class Compiled:
     nodes: int
 
 
-def compile_context(graph: Path, out_dir: Path, name: str, *, soc_model: int) -> Compiled:
+def compile_context(graph: Path, out_dir: Path, name: str, soc_model: int) -> Compiled:
     """QDQ graph -> `<out_dir>/<name>_ctx.onnx` + its QNN context binary (prepare only, nothing
     runs). Written under a temp name in `out_dir` first, then moved into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,49 +140,14 @@ def compile_context(graph: Path, out_dir: Path, name: str, *, soc_model: int) ->
 
 
 def compile_isolated(graph: Path, out_dir: Path, name: str, *, soc_model: int) -> Compiled:
-    """`compile_context` in a fresh process. The QNN compiler keeps memory after its session is
-    gone (E2B-shaped tree, 1 GB of weights: 2,432 MiB still resident after its compile); each
-    compile's memory now goes with its process (measured: the tree's compile 5,481 MiB, the
-    prefill's 5,724 MiB, each with this process's ~50 MiB; the 6,682 MiB first measured for the
-    prefill's included 1 GB that `binary_info` then kept alive here).
-    Its peak, plus this process's RSS, counts in this
-    process's peak figure (`hyco.artifacts.note_child_peak`); the child dies with this process
-    (a killed stage leaves no compiler running). Errors come back as raised in the child."""
-    import concurrent.futures
-    import multiprocessing
+    """`compile_context` in a fresh process (`hyco.workers`). The QNN compiler keeps memory after
+    its session is gone (E2B-shaped tree, 1 GB of weights: 2,432 MiB still resident after its
+    compile); each compile's memory now goes with its process (measured: the tree's compile
+    5,481 MiB, the prefill's 5,724 MiB, each with this process's ~50 MiB). Its peak, plus this
+    process's RSS, counts in this process's peak figure; errors come back as raised in the child."""
+    from hyco.workers import in_processes
 
-    from hyco.artifacts import note_child_peak
-
-    spawn = multiprocessing.get_context("spawn")  # not fork: a fresh interpreter, no inherited state
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=_compile_worker) as pool:
-        try:
-            compiled, child_peak = pool.submit(_compile_child, graph, out_dir, name, soc_model).result()
-        except concurrent.futures.process.BrokenProcessPool:
-            raise HycoError(f"{graph}: the process compiling it died (out of memory?)") from None
-    note_child_peak(child_peak)
-    return compiled
-
-
-def _compile_worker() -> None:
-    """The compile process: glibc's 1 MiB mmap threshold, as the stage's own process has (the tree's
-    compile in a process without it peaked at 6,446 MiB, 5,441 MiB with it), and death with its
-    parent."""
-    import ctypes
-    import signal
-
-    from hyco.heap import return_large_blocks
-
-    return_large_blocks()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except OSError:
-        pass  # no glibc: the child outlives a killed parent until its compile ends
-
-
-def _compile_child(graph: Path, out_dir: Path, name: str, soc_model: int) -> tuple[Compiled, float]:
-    from hyco.artifacts import peak_rss_mb
-
-    return compile_context(graph, out_dir, name, soc_model=soc_model), peak_rss_mb()
+    return in_processes(compile_context, [(graph, out_dir, name, soc_model)], f"{graph}: compiling it")[0]
 
 
 def open_context(context: Path, *, soc_model: int):
