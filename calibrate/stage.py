@@ -17,6 +17,7 @@ acceptance and simulator-vs-CPU within that bound, each graph in its own process
 
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
 import time
@@ -260,6 +261,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
         recorded = {g: (s.passes.folder, len(s.passes)) for g, s in (("tree", slm.tree_session),
                                                                     ("prefill", slm.prefill_session))}
         del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
+        gc.collect()  # the driver's hook on its own _run is a reference cycle: 2.4 GB until a collection
     result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}
     with phase("tree + prefill: prepare, mask statistics (a process each)"):
         measured = dict(zip(SLM_GRAPHS, in_processes(

@@ -30,6 +30,7 @@ from hyco.convert.static_model import IntLinear, StaticGemma
 
 from hyco.io_spec import GraphSpec
 from hyco.onnx_graph import consumers as graph_consumers
+from hyco.workers import cpu_threads
 
 OPSET = 21
 EXPORT_OPSET = 20  # the TorchScript exporter's maximum
@@ -388,6 +389,7 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 3
     so.enable_cpu_mem_arena = arena
+    so.intra_op_num_threads = cpu_threads()  # a worker's share of the cores (hyco.workers); 0 elsewhere
     if priority_order:
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul else (0, None)

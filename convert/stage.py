@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from hyco.artifacts import (
+    Phases,
     declare_nondeterministic,
     markdown_table,
     peak_rss_mb,
@@ -229,63 +230,69 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     from hyco.convert.rewrites import build_static_model, effective_windows
 
     start = time.perf_counter()
+    phase = Phases("convert")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     return_large_blocks()
-    ckpt = read_checkpoint(checkpoint)
-    load_report = completeness(ckpt)
-    tc = text_config(ckpt.folder)
-    keep_ids = keep_ids_for(keep_set, tokenizer or ckpt.folder, tc.vocab_size, ckpt.folder) if config.use_keep_set else None
-    luts = write_luts(ckpt, tc, out / "luts")
-    kv_scales = kv_cache_scales(ckpt, load_report["kv_cache_scales"])
-
-    model, text, lm_head = load_model(ckpt)
-    windows = effective_windows(tc, config.ring_full, config.ring_sliding)
-    rope = rope_json(text, tc, windows)
-    write_json(out / "rope.json", rope)
-    static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids,
-                                ring_full=config.ring_full, ring_sliding=config.ring_sliding, topk=config.topk,
-                                mask_negative=config.mask_negative, topk_slice=config.topk_slice)
-    del model, text, lm_head  # the static module now holds the only copy of the weights (packed)
-    release_free_heap()
+    with phase("read checkpoint, LUTs"):
+        ckpt = read_checkpoint(checkpoint)
+        load_report = completeness(ckpt)
+        tc = text_config(ckpt.folder)
+        keep_ids = keep_ids_for(keep_set, tokenizer or ckpt.folder, tc.vocab_size, ckpt.folder) if config.use_keep_set else None
+        luts = write_luts(ckpt, tc, out / "luts")
+        kv_scales = kv_cache_scales(ckpt, load_report["kv_cache_scales"])
+    with phase("load model, static module"):
+        model, text, lm_head = load_model(ckpt)
+        windows = effective_windows(tc, config.ring_full, config.ring_sliding)
+        rope = rope_json(text, tc, windows)
+        write_json(out / "rope.json", rope)
+        static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids,
+                                    ring_full=config.ring_full, ring_sliding=config.ring_sliding, topk=config.topk,
+                                    mask_negative=config.mask_negative, topk_slice=config.topk_slice)
+        del model, text, lm_head  # the static module now holds the only copy of the weights (packed)
+        release_free_heap()
     with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
         tmp = Path(tmp)
         start_export = time.perf_counter()
-        specs = export_all(static, config, tmp / "graphs")
-        for spec in specs:  # the phone never prefills more than its full ring holds
-            spec.meta.update({"max_prompt": min(config.max_prompt, config.ring_full),
-                              "keep_set": str(keep_set) if keep_ids is not None else None})
-        if config.parity:
-            # Same weights, rings shrunk below the parity context, for the "past the ring" check.
-            from hyco.convert.static_model import RingShape
+        with phase("trace graphs"):
+            specs = export_all(static, config, tmp / "graphs")
+            for spec in specs:  # the phone never prefills more than its full ring holds
+                spec.meta.update({"max_prompt": min(config.max_prompt, config.ring_full),
+                                  "keep_set": str(keep_set) if keep_ids is not None else None})
+            if config.parity:
+                # Same weights, rings shrunk below the parity context, for the "past the ring" check.
+                from hyco.convert.static_model import RingShape
 
-            ring_full = config.parity_ring_full
-            ring_sliding = max(1, ring_full // 2)
-            static.rings = RingShape(ring_full, ring_sliding, effective_windows(tc, ring_full, ring_sliding),
-                                     config.mask_negative)
-            small = ConvertConfig(rows=config.rows, prefill_chunk=min(config.prefill_chunk, ring_sliding))
-            ring_specs = export_all(static, small, tmp / "ring_raw")
-        enc = encodings(static, kv_scales)
-        sizes = finalize_all(tmp / "graphs", out, static)
-        if config.parity:
-            finalize_all(tmp / "ring_raw", tmp / "ring", static)
-        del static  # the module's ints were the only full copy of the weights
-        release_free_heap()
+                ring_full = config.parity_ring_full
+                ring_sliding = max(1, ring_full // 2)
+                static.rings = RingShape(ring_full, ring_sliding, effective_windows(tc, ring_full, ring_sliding),
+                                         config.mask_negative)
+                small = ConvertConfig(rows=config.rows, prefill_chunk=min(config.prefill_chunk, ring_sliding))
+                ring_specs = export_all(static, small, tmp / "ring_raw")
+        with phase("finalize graphs (weights written)"):
+            enc = encodings(static, kv_scales)
+            sizes = finalize_all(tmp / "graphs", out, static)
+            if config.parity:
+                finalize_all(tmp / "ring_raw", tmp / "ring", static)
+            del static  # the module's ints were the only full copy of the weights
+            release_free_heap()
         for spec in specs:
             sizes[spec.graph]["rows"] = spec.meta["rows"]
         export_s = round(time.perf_counter() - start_export, 2)
         write_io_spec(out / "io_spec.json", specs)
         write_json(out / "encodings.json", enc)
-        per_graph = {g: bitexact(out, g, enc, ckpt, keep_ids) for g in GRAPHS.values()}
+        with phase("bit-exact proof"):
+            per_graph = {g: bitexact(out, g, enc, ckpt, keep_ids) for g in GRAPHS.values()}
         all_equal = all(r["ints_equal"] and r["scales_equal"] for g in per_graph.values() for r in g.values())
         write_json(out / "bitexact.json", {"all_equal": all_equal, "graphs": per_graph})
         parity = None
         if config.parity:
-            write_io_spec(tmp / "ring" / "io_spec.json", ring_specs)
-            parity = run_parity(ckpt, keep_ids, out, tmp / "ring", Rope.from_json(rope))
-            write_json(out / "parity.json", parity)
-            plot_parity(parity, out / "parity.png")
+            with phase("parity"):
+                write_io_spec(tmp / "ring" / "io_spec.json", ring_specs)
+                parity = run_parity(ckpt, keep_ids, out, tmp / "ring", Rope.from_json(rope))
+                write_json(out / "parity.json", parity)
+                plot_parity(parity, out / "parity.png")
 
     report = {"checkpoint": str(checkpoint), "layout": load_report["layout"], "load": load_report,
               "export_s": export_s,
@@ -293,7 +300,8 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
                            "size": int(len(keep_ids)) if keep_ids is not None else tc.vocab_size},
               "luts": luts, "graphs": sizes, "bitexact_all_equal": all_equal,
               "parity_passed": None if parity is None else parity["passed"],
-              "windows": windows, "wall_s": round(time.perf_counter() - start, 2), "peak_rss_mb": round(peak_rss_mb(), 1),
+              "windows": windows, "phases": phase.rows, "wall_s": round(time.perf_counter() - start, 2),
+              "peak_rss_mb": round(peak_rss_mb(), 1),
               "toolchain": toolchain_versions()}
     failed = None
     if not all_equal:

@@ -97,12 +97,13 @@ def peak_rss_mb() -> float:
 _highest_rss_mb = (os.getpid(), 0.0)
 
 
-def note_child_peak(child_mb: float) -> None:
-    """A worker process this one waited for peaked at `child_mb`: from now on `peak_rss_mb` is at
-    least that plus this process's RSS now (the two together, an upper bound of their sum)."""
+def note_child_peak(child_mb: float, parent_mb: float = 0.0) -> None:
+    """Worker processes this one waited for peaked at `child_mb` together: from now on
+    `peak_rss_mb` is at least that plus this process's RSS while they ran, taken as the larger of
+    `parent_mb` (its RSS when they started) and its RSS now (an upper bound of the sum)."""
     global _highest_rss_mb
     peak_rss_mb()  # start this process's own count first
-    _highest_rss_mb = (os.getpid(), max(_highest_rss_mb[1], rss_mb() + child_mb))
+    _highest_rss_mb = (os.getpid(), max(_highest_rss_mb[1], max(parent_mb, rss_mb()) + child_mb))
 
 
 def rss_mb() -> float:

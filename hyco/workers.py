@@ -11,37 +11,54 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hyco.errors import HycoError
+
+_threads = 0  # in a worker: CPU threads for its onnxruntime sessions (0: onnxruntime's one per core)
+
+
+def cpu_threads() -> int:
+    """Intra-op threads for the CPU sessions this process opens (`convert.export_onnx.session_for`):
+    0 (onnxruntime's default, one per core) outside workers; in a worker its share of the cores,
+    so that workers side by side do not oversubscribe them (two workers with two spinning threads
+    each on 2 cores: +30% CPU seconds in calibrate's prepare phase, measured)."""
+    return _threads
 
 
 def in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], what: str) -> list[Any]:
     """[fn(*job) for job in jobs], each job in a process of its own, all at once. An exception
     raised in a worker is raised here as it was; a worker that dies (out of memory, killed)
     raises HycoError naming `what`."""
-    from hyco.artifacts import note_child_peak
+    from hyco.artifacts import note_child_peak, rss_mb
 
+    parent = rss_mb()  # with the RSS after them below: this process's part of the peak while they ran
     spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=spawn, initializer=_worker_init) as pool:
+    threads = max(1, (os.cpu_count() or 1) // len(jobs))
+    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=spawn, initializer=_worker_init,
+                                                initargs=(threads,)) as pool:
         futures = [pool.submit(_measured, fn, job) for job in jobs]
         try:
             done = [f.result() for f in futures]
         except concurrent.futures.process.BrokenProcessPool:
             raise HycoError(f"{what}: a worker process died (out of memory?)") from None
-    note_child_peak(sum(peak for _, peak in done))
+    note_child_peak(sum(peak for _, peak in done), parent)
     return [result for result, _ in done]
 
 
-def _worker_init() -> None:
+def _worker_init(threads: int) -> None:
     """glibc's 1 MiB mmap threshold, as the stages' own processes have (the tree's compile in a
-    process without it peaked at 6,446 MiB, 5,441 MiB with it), and death with the parent."""
+    process without it peaked at 6,446 MiB, 5,441 MiB with it), the worker's share of the cores,
+    and death with the parent."""
     import ctypes
     import signal
 
     from hyco.heap import return_large_blocks
 
+    global _threads
+    _threads = threads
     return_large_blocks()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)

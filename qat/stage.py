@@ -213,8 +213,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         # between the graph and the full student is the 16-bit grid, not range clipping.
         with phase("graph parity: quantized"):
             rows = parity_positions(calib[0], spec, config)
-            with weights_quantized_once(sim.model):
-                quantized = quantized_parity(out, head, sim, rows, config)
+            quantized = quantized_parity(out, head, sim, rows, config)
         del sim
         gc.collect()  # the student (QuantSim's reference cycles) goes before the tables come back
     table_folder.rmdir()
@@ -357,28 +356,31 @@ def quantized_parity(out: Path, head, sim, rows: list[tuple], config: QatConfig)
     """Quantized graph vs QuantSim (the full student, and its weights with float activations),
     then the step graph's proof. Needs neither the head's full-vocabulary tables nor the float graph."""
     from aimet_torch.utils import remove_activation_quantizers
+    from hyco.qat.lean_qdq import weights_quantized_once
     from hyco.qat.quantsim import plain
 
     quant_sess = _cpu_session(out / "mtp_step.onnx")
     quant_diff = weights_diff = 0.0
     quant_top1 = weights_top1 = 0
     device = head.pre_projection.weight.device
-    for start, feeds in rows:
-        q_lp, q_ids, _ = quant_sess.run(None, feeds)
-        query = torch.cat([start.embed, start.hidden])[None, None].to(device)
-        args = (query, torch.tensor([[start.position]], device=device),
-                *[torch.from_numpy(feeds[n])[None].to(device) for n in ("k_full", "v_full", "k_sliding", "v_sliding")],
-                torch.from_numpy(feeds["mask_full"])[None, None].to(device),
-                torch.from_numpy(feeds["mask_sliding"])[None, None].to(device))
-        with torch.no_grad():
-            s_lp = torch.log_softmax(plain(sim.model(*args)[0])[0, 0], -1).cpu()
-            with remove_activation_quantizers(sim.model):
-                w_lp = torch.log_softmax(plain(sim.model(*args)[0])[0, 0], -1).cpu()
-        picked = torch.from_numpy(q_ids[0])
-        quant_diff = max(quant_diff, float(np.abs(q_lp[0] - s_lp[picked].numpy()).max()))
-        weights_diff = max(weights_diff, float(np.abs(q_lp[0] - w_lp[picked].numpy()).max()))
-        quant_top1 += int(q_ids[0, 0] == int(s_lp.argmax()))
-        weights_top1 += int(q_ids[0, 0] == int(w_lp.argmax()))
+    # the student's weights fake-quantized once for all rows, and released before the proof's own copy
+    with weights_quantized_once(sim.model):
+        for start, feeds in rows:
+            q_lp, q_ids, _ = quant_sess.run(None, feeds)
+            query = torch.cat([start.embed, start.hidden])[None, None].to(device)
+            args = (query, torch.tensor([[start.position]], device=device),
+                    *[torch.from_numpy(feeds[n])[None].to(device) for n in ("k_full", "v_full", "k_sliding", "v_sliding")],
+                    torch.from_numpy(feeds["mask_full"])[None, None].to(device),
+                    torch.from_numpy(feeds["mask_sliding"])[None, None].to(device))
+            with torch.no_grad():
+                s_lp = torch.log_softmax(plain(sim.model(*args)[0])[0, 0], -1).cpu()
+                with remove_activation_quantizers(sim.model):
+                    w_lp = torch.log_softmax(plain(sim.model(*args)[0])[0, 0], -1).cpu()
+            picked = torch.from_numpy(q_ids[0])
+            quant_diff = max(quant_diff, float(np.abs(q_lp[0] - s_lp[picked].numpy()).max()))
+            weights_diff = max(weights_diff, float(np.abs(q_lp[0] - w_lp[picked].numpy()).max()))
+            quant_top1 += int(q_ids[0, 0] == int(s_lp.argmax()))
+            weights_top1 += int(q_ids[0, 0] == int(w_lp.argmax()))
     n = len(rows)
     del quant_sess  # one graph's weights in memory at a time: the proof opens its own
     proof = step_graph_proof(out, head, sim, [f for _, f in rows], config.topk)

@@ -266,3 +266,13 @@ def test_a_waited_child_s_peak_counts_in_this_process_s(monkeypatch):
     own = artifacts.peak_rss_mb()
     artifacts.note_child_peak(10_000.0)
     assert artifacts.peak_rss_mb() >= 10_000.0 + artifacts.rss_mb() * 0.5 > own
+
+
+def test_a_child_s_peak_counts_with_the_parent_s_rss_from_before_it_ran(monkeypatch):
+    """Workers that ran while this process held more than it holds now: their peaks add to the
+    larger of the two (hyco.workers passes the RSS it had when they started)."""
+    import hyco.artifacts as artifacts
+
+    monkeypatch.setattr(artifacts, "_highest_rss_mb", (os.getpid(), 0.0))
+    artifacts.note_child_peak(1_000.0, parent_mb=50_000.0)
+    assert artifacts.peak_rss_mb() == 51_000.0

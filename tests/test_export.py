@@ -74,7 +74,7 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
     import hyco.artifacts
 
     noted = []
-    monkeypatch.setattr(hyco.artifacts, "note_child_peak", noted.append)
+    monkeypatch.setattr(hyco.artifacts, "note_child_peak", lambda child, parent: noted.append(child))
     with pytest.raises(HycoError, match="would fall back off the QNN HTP, first Det 'det_node'"):
         compile_isolated(save("det.onnx", "Det"), tmp_path / "out", "det", soc_model=87)
     assert not list((tmp_path / "out").iterdir())

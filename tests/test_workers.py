@@ -1,0 +1,80 @@
+"""hyco/workers.py: jobs in spawned worker processes, side by side (calibrate's tree and prefill
+graphs, export's isolated compiles)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+
+def _job(tag: str, seconds: float) -> tuple[str, int, float, float]:
+    start = time.time()
+    time.sleep(seconds)
+    return tag, os.getpid(), start, time.time()
+
+
+def _fails(path: str) -> None:
+    from hyco.errors import HycoError
+
+    raise HycoError(f"{path}: tensor 'w' has the wrong shape")
+
+
+def _dies() -> None:
+    os._exit(9)  # as the kernel's OOM killer would leave it: no exception, no result
+
+
+def test_jobs_run_at_once_in_their_own_processes_and_peaks_add_up(monkeypatch):
+    import hyco.artifacts as artifacts
+    from hyco.workers import in_processes
+
+    noted = []
+    monkeypatch.setattr(artifacts, "note_child_peak", lambda child, parent: noted.append((child, parent)))
+    results = in_processes(_job, [("a", 1.5), ("b", 1.5)], "two sleeps")
+    assert [r[0] for r in results] == ["a", "b"]  # in job order
+    assert len({r[1] for r in results} | {os.getpid()}) == 3  # two workers, neither of them this process
+    (_, _, start_a, end_a), (_, _, start_b, end_b) = results
+    assert start_b < end_a and start_a < end_b  # the sleeps overlapped
+    (children, parent), = noted
+    assert children > 2 * 5  # two interpreters' peaks, summed (each well over 5 MiB)
+    assert parent == pytest.approx(artifacts.rss_mb(), rel=0.5)  # this process's RSS as they started
+
+
+def test_a_worker_s_error_is_raised_as_it_was_and_a_dead_worker_is_named():
+    from hyco.errors import HycoError
+    from hyco.workers import in_processes
+
+    with pytest.raises(HycoError, match=r"^/x/g\.onnx: tensor 'w' has the wrong shape$"):
+        in_processes(_fails, [("/x/g.onnx",)], "checking g")
+    with pytest.raises(HycoError, match="calibrate: preparing the SLM graphs: a worker process died"):
+        in_processes(_dies, [()], "calibrate: preparing the SLM graphs")
+
+
+def _threads() -> int:
+    from hyco.workers import cpu_threads
+
+    return cpu_threads()
+
+
+def test_workers_take_their_share_of_the_cores_and_sessions_use_it(tmp_path, monkeypatch):
+    """Two workers on this machine's cores: each opens CPU sessions with cores // 2 threads (no
+    oversubscription); the main process keeps onnxruntime's default (0). A session with one
+    thread computes what the default one does, bit for bit (MLAS splits rows and columns across
+    threads, never the summation): a 33 x 1,536 x 2,048 INT4 MatMul, as calibrate's graphs have."""
+    import numpy as np
+    from hyco.convert.export_onnx import ort_session
+    from test_int4_matmul import weight_graph
+
+    from hyco import workers
+
+    assert workers.cpu_threads() == 0
+    assert workers.in_processes(_threads, [(), ()], "threads") == [max(1, (os.cpu_count() or 1) // 2)] * 2
+    path, _, _ = weight_graph(tmp_path, 2048, 1536, [1, 33], False, seed=3)
+    x = np.random.default_rng(0).standard_normal((1, 33, 1536)).astype(np.float32)
+    default = ort_session(path)
+    monkeypatch.setattr(workers, "_threads", 1)
+    single = ort_session(path)
+    assert single.get_session_options().intra_op_num_threads == 1
+    assert default.get_session_options().intra_op_num_threads == 0
+    np.testing.assert_array_equal(single.run(None, {"x": x})[0], default.run(None, {"x": x})[0])
