@@ -125,16 +125,11 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(99, cfg) < 1e-7
 
 
-def test_quantsim_integer_weights_are_bit_exact(tiny, tmp_path):
+def _clipped_w4_student(tiny, tmp_path):
+    """The tiny head's W4 student over every other token, calibrated and clip-searched, and its
+    teacher-forced example inputs."""
     from hyco.qat.mtp import teacher_forced_inputs
-    from hyco.qat.quantsim import (
-        aimet_config,
-        apply_clip_search,
-        integer_weights,
-        make_student,
-        plain,
-        quantized_linears,
-    )
+    from hyco.qat.quantsim import aimet_config, apply_clip_search, make_student
 
     _, head, states = tiny
     example = teacher_forced_inputs(states.embeds, states.hidden, states.kv, SLIDING_WINDOW)
@@ -142,6 +137,17 @@ def test_quantsim_integer_weights_are_bit_exact(tiny, tmp_path):
                        config_path=aimet_config(tmp_path / "aimet.json"))
     sim.compute_encodings(lambda m, _: m(*example), None)
     apply_clip_search(sim, 1.0, 0.6)
+    return sim, example
+
+
+def test_quantsim_integer_weights_are_bit_exact(tiny, tmp_path):
+    from hyco.qat.quantsim import (
+        integer_weights,
+        plain,
+        quantized_linears,
+    )
+
+    sim, _ = _clipped_w4_student(tiny, tmp_path)
     linears = quantized_linears(sim)
     assert set(linears) == set(linear_names(2))  # every linear, the restricted lm_head included
     for name, layer in linears.items():
@@ -535,15 +541,9 @@ def test_weights_quantized_once_gives_the_same_outputs_and_quantizes_once(tiny, 
     from aimet_torch.quantization.affine.backends import torch_builtins
     from aimet_torch.utils import remove_activation_quantizers
     from hyco.qat.lean_qdq import weights_quantized_once
-    from hyco.qat.mtp import teacher_forced_inputs
-    from hyco.qat.quantsim import aimet_config, apply_clip_search, make_student, plain, quantized_linears
+    from hyco.qat.quantsim import plain, quantized_linears
 
-    _, head, states = tiny
-    example = teacher_forced_inputs(states.embeds, states.hidden, states.kv, SLIDING_WINDOW)
-    sim = make_student(head, torch.arange(0, VOCAB, 2), example, weight_bits=4, activation_bits=16,
-                       config_path=aimet_config(tmp_path / "aimet.json"))
-    sim.compute_encodings(lambda m, _: m(*example), None)
-    apply_clip_search(sim, 1.0, 0.6)
+    sim, example = _clipped_w4_student(tiny, tmp_path)
 
     def outputs():
         with torch.no_grad():
