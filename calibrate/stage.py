@@ -451,9 +451,10 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     report["data"] = answer_stats(inputs["answers"])
     from hyco.convert.int4_matmul import shared_repacks
 
-    # ten CPU sessions over six weight files (convert's, the prepared and the parity graphs):
-    # each INT4 weight is repacked for MatMulNBits once, not per session (~3 s each at E2B size)
-    with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks():
+    # convert's two graphs are read by the recording and again by the fidelity run: their INT4
+    # weights are repacked for MatMulNBits once (~3 s per session at E2B size), and kept (2 GB of
+    # temp disk) until the stage ends; the other graphs are read once
+    with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks(convert):
         tmp = Path(tmp)
         weight_bits = convert_weight_bits(convert)
         slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits)

@@ -41,17 +41,19 @@ _shared: dict | None = None  # shared_repacks' folder and index while its block 
 
 
 @contextlib.contextmanager
-def shared_repacks() -> Iterator[Path]:
-    """Within the block, the CPU sessions `session_for` opens share one folder of external data:
-    a source tensor (its file's identity, offset and length, and how it is repacked) is written
-    there once and every later session points at those bytes. The folder goes when the block
-    ends; a nested block uses the outer one's."""
+def shared_repacks(*sources: Path) -> Iterator[Path]:
+    """Within the block, the CPU sessions `session_for` opens over graphs whose weights lie in one
+    of the `sources` folders share one folder of external data: a source tensor (its file's
+    identity, offset and length, and how it is repacked) is written there once and every later
+    session points at those bytes. Graphs elsewhere (read once) keep a folder of their own, so the
+    shared one holds only what is read again. The folder goes when the block ends; a nested
+    block uses the outer one's."""
     global _shared
     if _shared is not None:
         yield _shared["folder"]
         return
     folder = Path(tempfile.mkdtemp(prefix="hyco-int4-shared-"))
-    _shared = {"folder": folder, "index": {}}
+    _shared = {"folder": folder, "index": {}, "sources": {Path(p).resolve() for p in sources}}
     try:
         yield folder
     finally:
@@ -225,7 +227,7 @@ def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
             plans[id(plan[0])] = (node, *plan)
     if not plans:
         return 0, None
-    if _shared is not None:
+    if _shared is not None and Path(weights_folder).resolve() in _shared["sources"]:
         _write_fused(model, Path(weights_folder), _shared["folder"], plans, inits, outputs, _shared["index"])
         return len(plans), _shared["folder"]
     folder = Path(tempfile.mkdtemp(prefix="hyco-int4-matmul-"))

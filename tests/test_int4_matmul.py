@@ -220,9 +220,10 @@ def test_int4_extremes_from_packed_bytes_equal_the_unpacked_ones(shape, axis):
 
 
 def test_shared_repacks_repack_each_weight_once_and_change_no_output(tmp_path, monkeypatch):
-    """Inside `shared_repacks`, sessions over the same weights file read one folder in which each
-    weight was repacked once; their outputs are bit-equal to a session of its own; no
-    per-session folder is made, and the shared one is gone after the block."""
+    """Inside `shared_repacks(folder)`, sessions over a weights file in that folder read one
+    folder in which each weight was repacked once; a graph elsewhere gets a folder of its own
+    (gone once its session loaded); outputs are bit-equal to a session of its own; the shared
+    folder is gone after the block."""
     from hyco.convert import int4_matmul
     from hyco.convert.export_onnx import ort_session
 
@@ -235,12 +236,17 @@ def test_shared_repacks_repack_each_weight_once_and_change_no_output(tmp_path, m
     calls = []
     real = int4_matmul.matmul_nbits_weight
     monkeypatch.setattr(int4_matmul, "matmul_nbits_weight", lambda *a: calls.append(a[1]) or real(*a))
-    with int4_matmul.shared_repacks() as folder:
+    other = tmp_path / "other"
+    other.mkdir()
+    elsewhere, _, _ = weight_graph(other, 40, 64, [1, 3], False, seed=7)
+    with int4_matmul.shared_repacks(tmp_path) as folder:
         outs = [ort_session(path).run(None, {"x": x})[0] for _ in range(3)]
         assert list(scratch.iterdir()) == [folder]  # one folder, no per-session ones
+        outs.append(ort_session(elsewhere).run(None, {"x": x})[0])  # not a shared source: its own folder
+        assert list(scratch.iterdir()) == [folder]  # (removed once its session loaded)
         size = (folder / int4_matmul.FUSED_DATA).stat().st_size
         assert size == 40 * 64 // 2  # the repacked weight, once (the scales are in the graph)
-    assert calls == [(40, 64)]
+    assert calls == [(40, 64)] * 2  # once for the shared source's three sessions, once for the other
     assert not folder.exists() and list(scratch.iterdir()) == []
     for out in outs:
         np.testing.assert_array_equal(out, alone)
@@ -253,7 +259,7 @@ def test_shared_repacks_see_a_rewritten_weights_file(tmp_path):
     from hyco.convert.export_onnx import ort_session
 
     x = np.random.default_rng(4).standard_normal((1, 2, 32)).astype(np.float32)
-    with int4_matmul.shared_repacks():
+    with int4_matmul.shared_repacks(tmp_path):
         path, _, _ = weight_graph(tmp_path, 24, 32, [1, 2], True, seed=1)
         first = ort_session(path).run(None, {"x": x})[0]
         path, ints, scale = weight_graph(tmp_path, 24, 32, [1, 2], True, seed=2)
