@@ -31,7 +31,7 @@ def test_jobs_run_at_once_in_their_own_processes_and_peaks_add_up(monkeypatch):
 
     noted = []
     monkeypatch.setattr(artifacts, "note_child_peak", lambda child, parent: noted.append((child, parent)))
-    results = in_processes(_job, [("a", 1.5), ("b", 1.5)], "two sleeps")
+    results = in_processes(_job, [("a", 4.0), ("b", 4.0)], "two sleeps")  # long enough for a slow start
     assert [r[0] for r in results] == ["a", "b"]  # in job order
     assert len({r[1] for r in results} | {os.getpid()}) == 3  # two workers, neither of them this process
     (_, _, start_a, end_a), (_, _, start_b, end_b) = results
