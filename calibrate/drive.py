@@ -66,6 +66,12 @@ class SpilledPasses:
         return (self[i] for i in range(self.count))
 
 
+def with_mask_value(feeds: dict, negative: float) -> dict:
+    """`feeds` with every additive mask input's masked slots (< 0) set to `negative`."""
+    return {k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if k.startswith("mask_") else v)
+            for k, v in feeds.items()}
+
+
 @dataclass
 class Recorder:
     """Stands in for an onnxruntime session: runs `session` and keeps every (feeds, outputs)
@@ -81,8 +87,7 @@ class Recorder:
 
     def run(self, names, feeds):
         if self.mask_negative is not None:
-            feeds = {k: (np.where(v < 0, np.float32(self.mask_negative), v).astype(np.float32)
-                         if k.startswith("mask_") else v) for k, v in feeds.items()}
+            feeds = with_mask_value(feeds, self.mask_negative)
         values = self.session.run(names, feeds)
         kept = {n: v for n, v in zip(names, values, strict=True)
                 if self.output_prefixes is None or n.startswith(self.output_prefixes)}

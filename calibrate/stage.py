@@ -280,7 +280,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
             done[g] = quantize_and_deploy(convert, g, tmp, out, *recorded[g], measured[g]["ranges"],
                                           mask["mask_negative"], config, inputs["convert_specs"][SLM_GRAPHS[g]],
                                           weight_bits)
-    result["graphs"] = {g: {**d["graph"], "worker_phases": {**measured[g]["phases"], **d["phases"]}}
+    result["graphs"] = {g: {**d["graph"], "phases": {**measured[g]["phases"], **d["phases"]}}
                         for g, d in done.items()}
     result["deployed"] = {g: d["deployed"] for g, d in done.items()}
     return result
@@ -312,7 +312,7 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
                         negative: float, config: CalibrateConfig, base_spec, weight_bits: dict[str, int]) -> dict:
     """The prepared graph `g` quantized into its parity twin (out/PARITY_NAMES)
     with the KV, mask and HTP-range overrides, then its deployable graph (`deployable`)."""
-    from hyco.calibrate.drive import SpilledPasses
+    from hyco.calibrate.drive import SpilledPasses, with_mask_value
     from hyco.calibrate.prepare import load_graph
     from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
     from onnxruntime.quantization import QuantType
@@ -320,8 +320,7 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
     src = tmp / f"{g}.prepared.onnx"
     prepared = load_graph(src)
     picked = subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)
-    feeds = [{k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if k.startswith("mask_") else v)
-              for k, v in f.items()} for f, _ in picked]
+    feeds = [with_mask_value(f, negative) for f, _ in picked]
     overrides, kv_ranges = kv_overrides(prepared, feeds, [o for _, o in picked], config)
     masks = [i.name for i in prepared.graph.input if i.name.startswith("mask_")]
     del picked, prepared

@@ -18,9 +18,10 @@ MatMulNBits' 8-bit path is slower than DequantizeLinear -> Gemm here).
 For CPU sessions only (`convert.export_onnx.session_for`): the graphs on disk and the deployed
 ones keep DequantizeLinear -> MatMul, which is what the HTP's QDQ matcher reads.
 
-Repacking costs ~3 s per E2B-sized session (repack 1.9 s, writing the 1 GB folder 1.2 s) and
-calibrate opens ten sessions over the same few weight files: inside `shared_repacks()` every
-session reads one folder in which each source tensor is repacked (or copied) and written once.
+Repacking costs ~3 s per E2B-sized session (repack 1.9 s, writing the 1 GB folder 1.2 s), and
+calibrate reads convert's graphs twice (recording, then fidelity): inside
+`shared_repacks(convert)` their sessions read one folder in which each source tensor was repacked
+(or copied) and written once.
 """
 
 from __future__ import annotations

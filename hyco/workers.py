@@ -2,7 +2,7 @@
 
 Two uses: memory that only leaves with its process (the QNN compiler keeps GBs after its session
 is gone), and the second core of a 2-core box during single-threaded Python work (calibrate
-prepares and quantizes the tree and prefill graphs side by side). Each worker gets the stage's
+prepares the tree and prefill graphs side by side). Each worker gets the stage's
 glibc heap setting and dies with its parent; its peak RSS comes back with its result and counts
 in the parent's peak figure (`artifacts.note_child_peak`, the workers' peaks summed: they ran
 together)."""
