@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hyco.artifacts import read_json, sha256_file
+from hyco.artifacts import file_digests, read_json, sha256_file
 from hyco.errors import HycoError
 from hyco.io_spec import GraphSpec, read_io_spec
 
@@ -88,8 +88,9 @@ def _check_graph_io(graph: dict[str, Any], spec: GraphSpec, binary: str, spec_fi
 
 
 def file_table(bundle: Path) -> dict[str, dict[str, Any]]:
-    return {str(p.relative_to(bundle)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(bundle.rglob("*")) if p.is_file() and p.name != BUNDLE_JSON}
+    files = [p for p in sorted(bundle.rglob("*")) if p.is_file() and p.name != BUNDLE_JSON]
+    return {str(p.relative_to(bundle)): {"bytes": p.stat().st_size, "sha256": d}
+            for p, d in zip(files, file_digests(files), strict=True)}
 
 
 def verify_bundle(bundle: Path) -> dict[str, Any]:

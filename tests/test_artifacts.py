@@ -171,6 +171,44 @@ def test_safetensors_metadata_order_is_made_reproducible(tmp_path):
         canon.add((tmp_path / f"s{i}" / "t.safetensors").read_bytes())
         assert load_file(str(tmp_path / f"s{i}" / "t.safetensors"))["x"].tolist() == [0, 1, 2, 3]
     assert len(canon) == 1
+    # a canonical file (a LUT another stage wrote, copied) is left as it is: not rewritten, same mtime
+    before = (tmp_path / "s0" / "t.safetensors").stat().st_mtime_ns
+    os.utime(tmp_path / "s0" / "t.safetensors", ns=(before - 10**9, before - 10**9))
+    canonicalize_safetensors(tmp_path / "s0")
+    assert (tmp_path / "s0" / "t.safetensors").stat().st_mtime_ns == before - 10**9
+
+
+def test_file_digests_read_each_file_once_and_see_rewrites(tmp_path, monkeypatch):
+    import hashlib
+
+    import hyco.artifacts as artifacts
+
+    read = []
+    real = artifacts.sha256_file
+    monkeypatch.setattr(artifacts, "sha256_file", lambda p: read.append(Path(p).name) or real(p))
+    monkeypatch.setattr(artifacts, "_digests", {})
+    files = []
+    for i, size in enumerate((5, 3 << 20, 0, 70_000)):
+        files.append(tmp_path / f"f{i}.bin")
+        files[-1].write_bytes(os.urandom(size))
+    os.link(files[1], tmp_path / "link.bin")  # a hard link: the same bytes, read once
+    paths = [*files, tmp_path / "link.bin"]
+    want = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert artifacts.file_digests(paths) == want
+    assert len(read) == 4 and {"f0.bin", "f2.bin", "f3.bin"} < set(read)  # f1.bin or its link, once
+    assert artifacts.file_digests(paths[::-1]) == want[::-1] and len(read) == 4  # listed again: not read again
+    files[0].write_bytes(b"other")  # rewritten (a new mtime): read again
+    os.utime(files[0], ns=(1, 1))
+    assert artifacts.file_digests([files[0]]) == [hashlib.sha256(b"other").hexdigest()] and read[-1] == "f0.bin"
+
+
+def test_only_json_that_may_hold_measured_keys_is_parsed():
+    from hyco.artifacts import _MEASURED_KEY, _may_hold_measured
+
+    for key in ("wall_s", "peak_rss_mb", "drafter_ms_per_round", "s_per_pass"):
+        assert _MEASURED_KEY.search(key) and _may_hold_measured(json.dumps({"a": {key: 1}}).encode())
+    big = {"param_encodings": {f"w{i}": [{"scale": 0.1, "offset": -8, "bitwidth": 4}] for i in range(1000)}}
+    assert not _may_hold_measured(json.dumps(big).encode())
 
 
 def test_manifest_names_nondeterministic_outputs_and_why(tmp_path):

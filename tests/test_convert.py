@@ -85,6 +85,48 @@ def test_bitexact_all_true_with_every_bit_width(converted):
     assert len(enc["kv_cache_scales"]) == 8  # k and v of the 4 KV-owning layers
 
 
+def test_prefill_weights_proven_byte_for_byte_against_tree(converted, tmp_path):
+    """prefill.onnx's ints and scales are proven equal to tree.onnx's (proven against the
+    checkpoint) by bytes; one flipped bit in one prefill weight, or in one scale, fails that row."""
+    import shutil
+
+    from hyco.convert.stage import same_weights
+
+    report = json.loads((converted["out"] / "bitexact.json").read_text())
+    tree, prefill = report["graphs"]["tree.onnx"], report["graphs"]["prefill.onnx"]
+    assert prefill.keys() == tree.keys()
+    assert all(r["proof"] == "bytes equal tree.onnx's" and r["ints_equal"] and r["scales_equal"] for r in prefill.values())
+    out = tmp_path / "out"
+    shutil.copytree(converted["out"], out)
+    enc = json.loads((out / "encodings.json").read_text())
+    model = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    (ints_of, e), (scale_of, e2) = sorted(enc["weights"].items())[:2]
+
+    def flip(name: str, at: int, mask: int) -> None:
+        t = inits[name]
+        if t.data_location != onnx.TensorProto.EXTERNAL:  # small tensors live in the graph itself
+            raw = bytearray(t.raw_data)
+            raw[at] ^= mask
+            t.raw_data = bytes(raw)
+            return
+        info = {x.key: x.value for x in t.external_data}
+        assert info["location"] == "prefill.onnx.data", "the test flips a byte of prefill.onnx's own data file"
+        with open(out / info["location"], "r+b") as f:
+            f.seek(int(info.get("offset", 0)) + at)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ mask]))
+
+    flip(e["onnx_initializer"], 3, 0x10)
+    flip(e2["onnx_initializer"][:-len("ints")] + "scale", 0, 0x01)  # the lowest mantissa bit of one scale
+    onnx.save(model, str(out / "prefill.onnx"))  # the weights stay where they are
+    rows = same_weights(out, "prefill.onnx", "tree.onnx", enc, tree)
+    assert not rows[ints_of]["ints_equal"] and rows[ints_of]["scales_equal"]
+    assert rows[scale_of]["ints_equal"] and not rows[scale_of]["scales_equal"]
+    assert all(r["ints_equal"] and r["scales_equal"] for k, r in rows.items() if k not in (ints_of, scale_of))
+
+
 def test_no_weight_folded_to_float(converted):
     model = onnx.load(str(converted["out"] / "tree.onnx"), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
