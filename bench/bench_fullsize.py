@@ -113,6 +113,25 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join(line[-300:] for line in text.replace("\r", "\n").splitlines()[-lines:])
 
 
+def speed_probe() -> dict[str, float]:
+    """Seconds for two fixed single-threaded workloads: this VM's speed moves by up to ~1.8x between
+    runs (the same tree compile took 261 CPU s in one run, 146 s in another), so every bench prints
+    these beside its figures. `python_s`: 60 M interpreter additions; `sha256_s`: 2 GB hashed."""
+    import hashlib
+
+    start = time.perf_counter()
+    total = 0
+    for i in range(60_000_000):
+        total += i
+    python_s = time.perf_counter() - start
+    block = bytes(64 << 20)
+    start = time.perf_counter()
+    h = hashlib.sha256()
+    for _ in range(32):
+        h.update(block)
+    return {"python_s": round(python_s, 2), "sha256_s": round(time.perf_counter() - start, 2)}
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -219,7 +238,9 @@ def summary_md(report: dict) -> str:
           f"Recipe {report['recipe']} with the bench's plumbing overrides (few QAT steps and calibration prompts, "
           "no HTP simulator runs or smoke, convert parity off; bit-exactness always checked). Machine: "
           f"{report['machine']['cpus']} CPUs, {report['machine']['mem_gib']} GiB; load average at start "
-          f"{report['machine']['load_avg_start']} (shared with other jobs).",
+          f"{report['machine']['load_avg_start']} (shared with other jobs). Speed probe (single-threaded, seconds: "
+          f"60 M Python additions / sha256 of 2 GB; this VM's speed moves by up to ~1.8x between runs): "
+          f"start {report['machine'].get('speed_start')}, end {report['machine'].get('speed_end')}.",
           "",
           markdown_table(rows, list(rows[0])) if rows else "(no stage ran)",
           "",
@@ -271,6 +292,8 @@ def print_table(report: dict) -> None:
               f"{s['load_avg_after']}")
     t = report["totals"]
     print(f"{'total':<10} {'':<8} {t['wall_s']:>8.1f} {t['peak_rss_mb']:>13.0f} {mb(t['bytes']):>16}")
+    m = report["machine"]
+    print(f"\nspeed probe (s, single-threaded): start {m.get('speed_start')}, end {m.get('speed_end')}")
     print("\nTable 3:")
     for r in report["sizes"]["table3"]:
         vs = "-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%"
@@ -321,7 +344,7 @@ def main() -> int:
         parser.error(f"unknown stages {unknown} (known: {', '.join(STAGES)})")
     recipe = base_recipe(args.recipe)
     report: dict = {"recipe": str(recipe), "run_dir": str(run_dir), "stages": [], "fixtures": None,
-                    "machine": {"cpus": os.cpu_count(), "load_avg_start": load_average(),
+                    "machine": {"cpus": os.cpu_count(), "load_avg_start": load_average(), "speed_start": speed_probe(),
                                 "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}}
     family = args.family.resolve() if args.family else out / "family"
     if args.family is None:
@@ -360,6 +383,7 @@ def main() -> int:
     report["totals"] = {"wall_s": round(sum(s["wall_s"] for s in ran), 1),
                         "peak_rss_mb": max((s["peak_rss_mb"] for s in ran), default=0.0),
                         "bytes": sum(s["bytes"] for s in ran), "all_passed": all_ok}
+    report["machine"]["speed_end"] = speed_probe()
     report["sizes"] = sizes(run_dir)
     report["goals"] = goals(ran, report["totals"], all_ok and set(stages) == set(STAGES))
     from hyco.artifacts import write_json

@@ -104,7 +104,8 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
             raise HycoError("export.share_contexts: tree or prefill exceeds export.max_context_bytes; a split graph "
                             "cannot share its context (set share_contexts false)")
         shared = dict(zip(roles, compile_shared([(calibrate / GRAPHS[r], r) for r in roles], bundle,
-                                                soc_model=config.soc_model), strict=True))
+                                                soc_model=config.soc_model,
+                                                optimization_level=config.htp_optimization_level), strict=True))
     for role, name in GRAPHS.items():
         source = calibrate / name
         weights = weight_bytes(source)
@@ -114,7 +115,8 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
         for i, (graph, part_spec) in enumerate(parts):
             stem = role if len(parts) == 1 else f"{role}.part{i}"
             with phase(f"compile {stem}") if phase else contextlib.nullcontext():
-                compiled = shared.get(role) or compile_isolated(graph, bundle, stem, soc_model=config.soc_model)
+                compiled = shared.get(role) or compile_isolated(graph, bundle, stem, soc_model=config.soc_model,
+                                                                optimization_level=config.htp_optimization_level)
             info = binary_info(compiled.binary)
             check_binary_io(info, part_spec, str(compiled.binary), str(calibrate / "io_spec.json"))
             rows.append({"context": compiled.context.name, "binary": compiled.binary.name,
@@ -183,6 +185,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     graphs = compile_graphs(bundle, Path(calibrate), specs, config, phase)
     versions = toolchain_versions()
     meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch,
+            "htp_optimization_level": config.htp_optimization_level,
             "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"], "onnxruntime_qnn": versions.get("onnxruntime-qnn"),
             "reference_verifier": str(verifier) if verifier else None,
             "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
@@ -208,12 +211,14 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     rows = [{"graph": role, "part": p["binary"], "weight_bytes": p["weight_bytes"], "binary_bytes": p["binary_bytes"],
              "compile_s": p["compile_s"], "nodes": p["nodes"]} for role, g in graphs.items() for p in g["parts"]]
     report = {"soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "qnn_sdk": meta["qnn_sdk"],
+              "htp_optimization_level": config.htp_optimization_level,
               "graphs": rows, "smoke": smoke, "proof_failed": failed, "phases": phase.rows,
               "wall_s": round(time.perf_counter() - start, 2),
               "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": versions}
     write_json(out / "report.json", report)
     md = (f"# export: QNN context binaries for soc_model {config.soc_model} ({chip}, Hexagon v{arch})\n\n"
-          f"QNN SDK {meta['qnn_sdk']}; bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
+          f"QNN SDK {meta['qnn_sdk']}; HTP optimization level {config.htp_optimization_level or '2 (QNN default)'}; "
+          f"bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
           f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0])))
     if failed:
         md += f"\n**Proof failed, bundle kept (allow_parity_failure)**: {failed}\n"

@@ -233,9 +233,14 @@ class ExportConfig:
     # htp_logprob_bound = the QDQ graph's top-k log-prob error vs its float graph on the eval prompts)
     logprob_tolerance: float | None = None
     isolate: bool = True  # smoke/check: each HTP context in its own worker process (results leak between sessions)
+    # HTP graph finalization: 0 = QNN's default (what ships); 1 compiles ~3x faster into a less
+    # optimized graph (development builds; its cost on the phone is unmeasured), 3 is the slowest
+    htp_optimization_level: int = 0
 
     def __post_init__(self):
         _require(self.soc_model > 0, f"export.soc_model must be > 0, but got {self.soc_model}")
+        _require(self.htp_optimization_level in (0, 1, 2, 3),
+                 f"export.htp_optimization_level must be one of 0, 1, 2, 3, but got {self.htp_optimization_level}")
         _require(self.max_context_bytes > 0, f"export.max_context_bytes must be > 0, but got {self.max_context_bytes}")
         _require(self.smoke_prompts >= 0 and self.smoke_rounds >= 1,
                  f"export.smoke_prompts must be >= 0 and export.smoke_rounds >= 1, but got {self.smoke_prompts} "

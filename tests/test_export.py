@@ -85,6 +85,28 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
     assert len(noted) == 1 and 50 < noted[0] < peak_rss_mb()
 
 
+def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(tmp_path):
+    import onnx
+    from hyco.export.qnn import compile_context, prepare_options
+    from onnx import TensorProto, helper
+
+    assert prepare_options(0) == {"enable_htp_prepare_only": "1"}  # QNN's own default
+    assert prepare_options(1)["htp_graph_finalization_optimization_mode"] == "1"
+    with pytest.raises(ValueError, match="export.htp_optimization_level must be one of .*but got 5"):
+        ExportConfig(htp_optimization_level=5)
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "relu.onnx")
+    with pytest.raises(HycoError, match="htp_optimization_level must be one of .*but got 4"):
+        compile_context(tmp_path / "relu.onnx", tmp_path / "bad", "relu", soc_model=87, optimization_level=4)
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
+    for level in (1, 3):
+        compiled = compile_context(tmp_path / "relu.onnx", tmp_path / f"o{level}", "relu", soc_model=87,
+                                   optimization_level=level)
+        assert compiled.binary.stat().st_size > 0 and compiled.nodes == 1
+
+
 @pytest.mark.slow
 def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_export):
     from hyco.export.bundle import verify_bundle
@@ -95,6 +117,7 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
     bundle, summary = tiny_export
     meta = json.loads((bundle / "bundle.json").read_text())
     assert meta["soc_model"] == 87 and meta["chip"] == "SM8850" and meta["htp_arch"] == 81
+    assert meta["htp_optimization_level"] == 0  # QNN's default: what ships
     assert set(meta["graphs"]) == {"tree", "prefill", "mtp_step"}
     specs = read_io_spec(bundle / "io_spec.json")
     for role, g in meta["graphs"].items():
