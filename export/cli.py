@@ -33,6 +33,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model, help="QNN soc_model (87: SM8850)")
     p.add_argument("--htp-arch", type=int, help="Hexagon arch; must be the SoC's own (default: the SoC's)")
+    p.add_argument("--htp-optimization-level", type=int, choices=(0, 1, 2, 3), default=_DEFAULT.htp_optimization_level,
+                   help="QNN HTP graph finalization (0: QNN's default, what ships; 1: ~3x faster compile, a less "
+                   "optimized graph whose phone speed is unmeasured here; 3: the slowest)")
     p.add_argument("--max-context-bytes", type=int, default=_DEFAULT.max_context_bytes,
                    help="split a graph whose weights exceed this into layer-range contexts")
     p.add_argument("--smoke-prompts", type=int, default=_DEFAULT.smoke_prompts, help="smoke run prompts (0: none)")
@@ -72,10 +75,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         config = dataclasses.replace(_DEFAULT, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
                                      max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts,
-                                     smoke_rounds=args.smoke_rounds)
+                                     smoke_rounds=args.smoke_rounds, htp_optimization_level=args.htp_optimization_level)
     except ValueError as e:
         raise HycoError(str(e)) from None
     bundle_only = [f"--{k}" for k in ("convert", "qat", "vocab", "tokenizer", "verifier") if getattr(args, k)]
+    if args.htp_optimization_level:  # qai-hub compiles with its own settings
+        bundle_only.append("--htp-optimization-level")
     if args.hub:
         from hyco.export.hub import hub_export
 

@@ -272,6 +272,9 @@ def test_hub_refuses_the_bundle_inputs_and_the_offline_export_requires_them(tmp_
     assert _export_hub(tmp_path, "--qat", str(tmp_path), "--verifier", str(tmp_path)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "export --hub reads only --calibrate" in err[0] and "--qat, --verifier" in err[0]
+    assert _export_hub(tmp_path, "--htp-optimization-level", "1") == 2  # the hub compiles with its own settings
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--htp-optimization-level would not be used" in err[0]
     assert main(["export", "--calibrate", str(tmp_path / "calibrate"), "--qat", str(tmp_path),
                  "--out", str(tmp_path / "offline")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
