@@ -114,10 +114,15 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 def speed_probe() -> dict[str, float]:
-    """Seconds for two fixed single-threaded workloads: this VM's speed moves by up to ~1.8x between
+    """Seconds for fixed single-threaded workloads: this VM's speed moves by up to ~1.8x between
     runs (the same tree compile took 261 CPU s in one run, 146 s in another), so every bench prints
-    these beside its figures. `python_s`: 60 M interpreter additions; `sha256_s`: 2 GB hashed."""
+    these beside its figures. `python_s`: 60 M interpreter additions; `sha256_s`: 2 GB hashed;
+    `copy_s`: 1 GiB copied 8 times (memory bandwidth); `gather_s`: 16 M random 4-byte reads from
+    1 GiB (memory latency). The first two read the same in a 777 s and a 1,123 s run of the same
+    code (2026-12-01/02), so the memory figures were added: the compiler walks GB-sized graphs."""
     import hashlib
+
+    import numpy as np
 
     start = time.perf_counter()
     total = 0
@@ -129,7 +134,40 @@ def speed_probe() -> dict[str, float]:
     h = hashlib.sha256()
     for _ in range(32):
         h.update(block)
-    return {"python_s": round(python_s, 2), "sha256_s": round(time.perf_counter() - start, 2)}
+    sha256_s = time.perf_counter() - start
+    src = np.ones(1 << 28, np.float32)
+    dst = np.empty_like(src)
+    start = time.perf_counter()
+    for _ in range(8):
+        np.copyto(dst, src)
+    copy_s = time.perf_counter() - start
+    index = np.random.default_rng(0).integers(0, src.size, 1 << 24)
+    start = time.perf_counter()
+    src[index].sum()
+    gather_s = time.perf_counter() - start
+    return {"python_s": round(python_s, 2), "sha256_s": round(sha256_s, 2), "copy_s": round(copy_s, 2),
+            "gather_s": round(gather_s, 2)}
+
+
+def cpu_identity() -> dict[str, str]:
+    """What the VM says its CPU is (model name, cache sizes, boot id): two runs that differ in speed
+    can be told apart by host only when these differ (a live migration keeps the boot id)."""
+    cpu0 = Path("/sys/devices/system/cpu/cpu0/cache")
+    caches = {}
+    for index in sorted(cpu0.glob("index*")):
+        try:
+            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
+            caches[f"L{level} {kind}"] = (index / "size").read_text().strip()
+        except OSError:
+            continue
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return {"model": model, "caches": caches, "boot_id": boot_id}
 
 
 def load_average() -> list[float]:
@@ -237,9 +275,10 @@ def summary_md(report: dict) -> str:
           "",
           f"Recipe {report['recipe']} with the bench's plumbing overrides (few QAT steps and calibration prompts, "
           "no HTP simulator runs or smoke, convert parity off; bit-exactness always checked). Machine: "
-          f"{report['machine']['cpus']} CPUs, {report['machine']['mem_gib']} GiB; load average at start "
+          f"{report['machine']['cpus']} CPUs ({report['machine'].get('cpu')}), {report['machine']['mem_gib']} GiB; "
+          f"load average at start "
           f"{report['machine']['load_avg_start']} (shared with other jobs). Speed probe (single-threaded, seconds: "
-          f"60 M Python additions / sha256 of 2 GB; this VM's speed moves by up to ~1.8x between runs): "
+          f"60 M Python additions / sha256 of 2 GB / 1 GiB copied 8 times / 16 M random reads; this VM's speed moves by up to ~1.8x between runs): "
           f"start {report['machine'].get('speed_start')}, end {report['machine'].get('speed_end')}.",
           "",
           markdown_table(rows, list(rows[0])) if rows else "(no stage ran)",
@@ -293,7 +332,7 @@ def print_table(report: dict) -> None:
     t = report["totals"]
     print(f"{'total':<10} {'':<8} {t['wall_s']:>8.1f} {t['peak_rss_mb']:>13.0f} {mb(t['bytes']):>16}")
     m = report["machine"]
-    print(f"\nspeed probe (s, single-threaded): start {m.get('speed_start')}, end {m.get('speed_end')}")
+    print(f"\nspeed probe (s, single-threaded; python, sha256, copy, gather): start {m.get('speed_start')}, end {m.get('speed_end')}")
     print("\nTable 3:")
     for r in report["sizes"]["table3"]:
         vs = "-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%"
@@ -345,6 +384,7 @@ def main() -> int:
     recipe = base_recipe(args.recipe)
     report: dict = {"recipe": str(recipe), "run_dir": str(run_dir), "stages": [], "fixtures": None,
                     "machine": {"cpus": os.cpu_count(), "load_avg_start": load_average(), "speed_start": speed_probe(),
+                                "cpu": cpu_identity(),
                                 "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}}
     family = args.family.resolve() if args.family else out / "family"
     if args.family is None:

@@ -64,6 +64,10 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
             assert peaks == sorted(peaks) and peaks[-1] <= manifest["peak_rss_mb"] + 1, peaks
             log = (tmp_path / "logs" / f"{s['stage']}.log").read_text()
             assert all(f"{s['stage']}: {name} " in log for name in phases), log[-2000:]
+    # the VM's speed beside the figures: four positive timings before the first stage and after the last
+    probes = [report["machine"]["speed_start"], report["machine"]["speed_end"]]
+    assert all(set(p) == {"python_s", "sha256_s", "copy_s", "gather_s"} and min(p.values()) > 0 for p in probes), probes
+    assert set(report["machine"]["cpu"]) == {"model", "caches", "boot_id"}, report["machine"]
     t = report["totals"]
     assert t["all_passed"] and t["wall_s"] == pytest.approx(sum(s["wall_s"] for s in report["stages"]), abs=0.2)
     assert t["peak_rss_mb"] == max(s["peak_rss_mb"] for s in report["stages"])
