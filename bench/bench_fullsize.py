@@ -149,6 +149,16 @@ def speed_probe() -> dict[str, float]:
             "gather_s": round(gather_s, 2)}
 
 
+def speed_probe_in_child(out: Path) -> dict[str, float]:
+    """`speed_probe` in a process of its own: its 2 GiB of arrays must not raise this process's
+    peak RSS, which every stage's figure would then carry (subprocess starts children with vfork,
+    and exec keeps the larger of the old and new peak, hyco.artifacts.peak_rss_mb: vocab read
+    2,275 MiB, its own peak 969)."""
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--speed-probe"],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def cpu_identity() -> dict[str, str]:
     """What the VM says its CPU is (model name, cache sizes, boot id): two runs that differ in speed
     can be told apart by host only when these differ (a live migration keeps the boot id)."""
@@ -369,9 +379,13 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override, applied last")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--speed-probe", action="store_true", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     if args.stage:
         run_one(args.stage, args.recipe, args.run_dir, args.set)
+        return 0
+    if args.speed_probe:
+        print(json.dumps(speed_probe()))
         return 0
 
     out = args.out.resolve()
@@ -383,7 +397,7 @@ def main() -> int:
         parser.error(f"unknown stages {unknown} (known: {', '.join(STAGES)})")
     recipe = base_recipe(args.recipe)
     report: dict = {"recipe": str(recipe), "run_dir": str(run_dir), "stages": [], "fixtures": None,
-                    "machine": {"cpus": os.cpu_count(), "load_avg_start": load_average(), "speed_start": speed_probe(),
+                    "machine": {"cpus": os.cpu_count(), "load_avg_start": load_average(), "speed_start": speed_probe_in_child(out),
                                 "cpu": cpu_identity(),
                                 "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}}
     family = args.family.resolve() if args.family else out / "family"
@@ -423,7 +437,12 @@ def main() -> int:
     report["totals"] = {"wall_s": round(sum(s["wall_s"] for s in ran), 1),
                         "peak_rss_mb": max((s["peak_rss_mb"] for s in ran), default=0.0),
                         "bytes": sum(s["bytes"] for s in ran), "all_passed": all_ok}
-    report["machine"]["speed_end"] = speed_probe()
+    # what every stage's wait4 figure includes at least (see speed_probe_in_child): this process's
+    # own high-water mark (VmHWM; its ru_maxrss also carries its own parent's), read before sizes()
+    from hyco.artifacts import peak_rss_mb
+
+    report["machine"]["bench_process_peak_rss_mb"] = round(peak_rss_mb(), 1)
+    report["machine"]["speed_end"] = speed_probe_in_child(out)
     report["sizes"] = sizes(run_dir)
     report["goals"] = goals(ran, report["totals"], all_ok and set(stages) == set(STAGES))
     from hyco.artifacts import write_json
