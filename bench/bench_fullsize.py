@@ -159,25 +159,20 @@ def speed_probe_in_child(out: Path) -> dict[str, float]:
     return json.loads(done.stdout)
 
 
-def cpu_identity() -> dict[str, str]:
+def cpu_identity() -> dict:
     """What the VM says its CPU is (model name, cache sizes, boot id): two runs that differ in speed
     can be told apart by host only when these differ (a live migration keeps the boot id)."""
-    cpu0 = Path("/sys/devices/system/cpu/cpu0/cache")
-    caches = {}
-    for index in sorted(cpu0.glob("index*")):
+    def read(path: Path) -> str:
         try:
-            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
-            caches[f"L{level} {kind}"] = (index / "size").read_text().strip()
+            return path.read_text().strip()
         except OSError:
-            continue
-    model = ""
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = ""
-    return {"model": model, "caches": caches, "boot_id": boot_id}
+            return ""
+
+    caches = {f"L{read(i / 'level')} {read(i / 'type')}": read(i / "size")
+              for i in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"))}
+    model = next((line.split(":", 1)[1].strip() for line in read(Path("/proc/cpuinfo")).splitlines()
+                  if line.startswith("model name")), "")
+    return {"model": model, "caches": caches, "boot_id": read(Path("/proc/sys/kernel/random/boot_id"))}
 
 
 def load_average() -> list[float]:

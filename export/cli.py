@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from hyco.recipe import ExportConfig, to_dict
+from hyco.recipe import HTP_OPTIMIZATION_LEVELS, ExportConfig, to_dict
 
 _DEFAULT = ExportConfig()
 
@@ -33,7 +33,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model, help="QNN soc_model (87: SM8850)")
     p.add_argument("--htp-arch", type=int, help="Hexagon arch; must be the SoC's own (default: the SoC's)")
-    p.add_argument("--htp-optimization-level", type=int, choices=(0, 1, 2, 3), default=_DEFAULT.htp_optimization_level,
+    p.add_argument("--htp-optimization-level", type=int, choices=HTP_OPTIMIZATION_LEVELS,
+                   default=_DEFAULT.htp_optimization_level,
                    help="QNN HTP graph finalization (0: QNN's default, what ships; 1: ~3x faster compile, a less "
                    "optimized graph whose phone speed is unmeasured here; 3: the slowest)")
     p.add_argument("--max-context-bytes", type=int, default=_DEFAULT.max_context_bytes,

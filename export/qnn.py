@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyco.errors import HycoError
+from hyco.recipe import HTP_OPTIMIZATION_LEVELS
 
 # soc_model -> (chip, Hexagon arch). QNN silently compiles for v68 when the arch is unknown, so a
 # SoC outside this table is refused rather than guessed (platform notes: 43/57/69/87 were run).
@@ -25,7 +26,6 @@ SOCS: dict[int, tuple[str, int]] = {
     87: ("SM8850", 81),
 }
 
-OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # HTP graph finalization (`prepare_options`)
 _registered = False
 
 
@@ -116,8 +116,8 @@ def prepare_options(optimization_level: int) -> dict[str, str]:
     shaped tree graph on this 2-core box: level 1 53 s (1,032.7 MB binary), level 2 145 s and
     the default 146 s (both 1,038.3 MB), measured back to back. What level 1 costs on the phone is
     not measured here (no device): the default is what ships."""
-    if optimization_level not in OPTIMIZATION_LEVELS:
-        raise HycoError(f"export.htp_optimization_level must be one of {OPTIMIZATION_LEVELS}, but got "
+    if optimization_level not in HTP_OPTIMIZATION_LEVELS:
+        raise HycoError(f"export.htp_optimization_level must be one of {HTP_OPTIMIZATION_LEVELS}, but got "
                         f"{optimization_level}")
     options = {"enable_htp_prepare_only": "1"}
     if optimization_level:

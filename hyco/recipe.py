@@ -216,6 +216,9 @@ class QatConfig:
                  f"qat.clip_ratio_min..max must satisfy 0 < min <= max <= 1, but got {self.clip_ratio_min}..{self.clip_ratio_max}")
 
 
+HTP_OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # QNN HTP graph finalization; 0: QNN's own default
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     backend: Literal["onnxruntime-qnn", "qai-hub"] = "onnxruntime-qnn"
@@ -239,8 +242,9 @@ class ExportConfig:
 
     def __post_init__(self):
         _require(self.soc_model > 0, f"export.soc_model must be > 0, but got {self.soc_model}")
-        _require(self.htp_optimization_level in (0, 1, 2, 3),
-                 f"export.htp_optimization_level must be one of 0, 1, 2, 3, but got {self.htp_optimization_level}")
+        _require(self.htp_optimization_level in HTP_OPTIMIZATION_LEVELS,
+                 f"export.htp_optimization_level must be one of {HTP_OPTIMIZATION_LEVELS}, but got "
+                 f"{self.htp_optimization_level}")
         _require(self.max_context_bytes > 0, f"export.max_context_bytes must be > 0, but got {self.max_context_bytes}")
         _require(self.smoke_prompts >= 0 and self.smoke_rounds >= 1,
                  f"export.smoke_prompts must be >= 0 and export.smoke_rounds >= 1, but got {self.smoke_prompts} "
