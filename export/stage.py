@@ -216,8 +216,9 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
               "wall_s": round(time.perf_counter() - start, 2),
               "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": versions}
     write_json(out / "report.json", report)
+    level = config.htp_optimization_level or "0 (QNN's default: its binary matched level 2's in a probe)"
     md = (f"# export: QNN context binaries for soc_model {config.soc_model} ({chip}, Hexagon v{arch})\n\n"
-          f"QNN SDK {meta['qnn_sdk']}; HTP optimization level {config.htp_optimization_level or '2 (QNN default)'}; "
+          f"QNN SDK {meta['qnn_sdk']}; HTP optimization level {level}; "
           f"bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
           f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0])))
     if failed:
