@@ -87,7 +87,7 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
 
 def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(tmp_path):
     import onnx
-    from hyco.export.qnn import compile_context, prepare_options
+    from hyco.export.qnn import compile_context, compile_isolated, prepare_options
     from onnx import TensorProto, helper
 
     assert prepare_options(0) == {"enable_htp_prepare_only": "1"}  # QNN's own default
@@ -101,6 +101,8 @@ def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(t
     with pytest.raises(HycoError, match="htp_optimization_level must be one of .*but got 4"):
         compile_context(tmp_path / "relu.onnx", tmp_path / "bad", "relu", soc_model=87, optimization_level=4)
     assert not (tmp_path / "bad").exists()  # refused before anything is written
+    with pytest.raises(HycoError, match="htp_optimization_level must be one of .*but got 4"):  # reaches the worker
+        compile_isolated(tmp_path / "relu.onnx", tmp_path / "bad", "relu", soc_model=87, optimization_level=4)
     for level in (1, 3):
         compiled = compile_context(tmp_path / "relu.onnx", tmp_path / f"o{level}", "relu", soc_model=87,
                                    optimization_level=level)
