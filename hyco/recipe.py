@@ -55,6 +55,9 @@ class FixturesConfig:
     preset: Literal["tiny", "e2b-shapes"] = "tiny"
     seed: int = 0
     distill: bool = False  # short CPU distillation so drafters agree with the verifier
+    # Draw the family afresh even where the package ships this draw (hyco/fixtures/shipped.py):
+    # the same bytes, minutes of CPU instead of a copy.
+    regenerate: bool = False
 
     def __post_init__(self):
         _require(self.seed >= 0, f"fixtures.seed must be >= 0, but got {self.seed}")

@@ -132,6 +132,12 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
 
     h_cfg = load_config(assistant, "assistant")
     require_plain_output_layer(h_cfg, str(assistant))  # before any weight is read
+    with phase("check head"):
+        # A damaged head file fails now, not after the verifier's answers and captures (hours at
+        # real size); the head is small, and it is freed before the verifier loads.
+        checked = load_model(assistant, "assistant", torch.float32)
+        del checked
+        gc.collect()
     with phase("load verifier"):
         ver = load_model(verifier, "verifier", v_dtype, "auto" if device.type == "cuda" else None)
     check_pair(ver.config, h_cfg, tok, Path(verifier), Path(assistant))

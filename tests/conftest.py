@@ -47,43 +47,55 @@ def reference_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_calibrated(tiny_family, tmp_path_factory):
-    """vocab, convert (parity off), qat (2 steps) and calibrate (no HTP check) on the undistilled tiny
-    family, CI-sized: the run folder (the export and smoke tests build on it)."""
-    return _calibrated_run(tiny_family, tmp_path_factory.mktemp("calibrated"),
-                           ["calibrate.eval_prompts=1", "calibrate.htp_check=false"])
+def ladder(tmp_path_factory):
+    """The fast tier's one pipeline (tests/ladder.py): `hyco-convert run` of the CI-sized tiny
+    recipe, every stage from fixtures to check, once per session (one build shared by pytest-xdist's
+    workers: the first builds it under a lock). The run folder; read-only."""
+    import fcntl
+    import os
+
+    from ladder import run_args
+
+    from hyco.cli import main
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    out = root / "ladder" / "tiny"
+    with open(root / "ladder.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "run_report.json").is_file():
+            assert main(run_args(out)) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_calibrated(ladder):
+    """The ladder's run folder: vocab, convert (parity off), qat (2 steps) and calibrate (no HTP
+    check) on the undistilled tiny family; the export and smoke tests build on it."""
+    return ladder
 
 
 def _calibrated_run(family: dict, run_dir: Path, calibrate: list[str]) -> Path:
-    """The tiny recipe's vocab..calibrate on `family`, CI-sized (parity off, 2 QAT steps, 2
-    calibration prompts), with the `calibrate` overrides last."""
+    """The ladder's vocab..calibrate on `family`, with the `calibrate` overrides last."""
+    from ladder import LADDER, RECIPE
+
     from hyco.pipeline import run_recipe
     from hyco.recipe import load_recipe
 
     models = [f"models.{k}={v}" for k, v in family.items()]
-    small = ["stages=[vocab,convert,qat,calibrate]", "convert.parity=false",
-             "vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
-             "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16",
-             "qat.max_new_tokens_eval=12", "calibrate.prompts=2", "calibrate.max_new_tokens=16",
-             "calibrate.sqnr_passes=2", *calibrate]
-    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml", [*models, *small])
+    recipe = load_recipe(RECIPE, [*models, *LADDER, "stages=[vocab,convert,qat,calibrate]", *calibrate])
     run_recipe(recipe, run_dir, log=lambda *a: None)
     return run_dir
 
 
 @pytest.fixture(scope="session")
-def tiny_export(tiny_calibrated, tiny_family, tmp_path_factory):
-    """export (soc 87, no smoke) of `tiny_calibrated`: (bundle folder, the stage's summary)."""
-    from hyco.export.stage import export
+def tiny_export(ladder):
+    """The ladder's export (soc 87, no smoke): (bundle folder, the stage's summary)."""
+    import json
 
-    from hyco.recipe import ExportConfig
-
-    out = tmp_path_factory.mktemp("export") / "export"
-    summary = export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert",
-                     qat=tiny_calibrated / "qat", vocab=tiny_calibrated / "vocab", out=out,
-                     tokenizer=tiny_family["tokenizer"], verifier=tiny_family["verifier"],
-                     config=ExportConfig(smoke_prompts=0))
-    return out / "bundle", summary
+    manifest = json.loads((ladder / "export" / "manifest.json").read_text())
+    return ladder / "export" / "bundle", manifest["summary"]
 
 
 @pytest.fixture(scope="session")

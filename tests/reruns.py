@@ -21,25 +21,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
-SMALL = [
-    "fixtures.distill=false",
-    "vocab.count_conversations=300", "vocab.heldout_conversations=40",
-    "vocab.reserved_train=4", "vocab.reserved_eval=4",
-    "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
-    "calibrate.prompts=2", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=12", "calibrate.max_passes=8",
-    "calibrate.sqnr_passes=2", "calibrate.simulator_passes=1",
-    "export.smoke_prompts=0",  # the smoke run is tests/test_smoke.py's (minutes on the HTP simulator)
-    "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
-]
+from ladder import LADDER, run_args
+
+# The fast tier's ladder (tests/ladder.py) with parity, more calibration and the HTP check on: a
+# kill can land in each of them.
+SMALL = [*LADDER, "convert.parity=true", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=12",
+         "calibrate.max_passes=8", "calibrate.htp_check=true", "calibrate.simulator_passes=1"]
 RUN_LOGS = ("run_report.json", "run_summary.md")
 _VOLATILE_MANIFEST = ("wall_s", "peak_rss_mb", "argv", "skipped", "key")
 _MEASURED = re.compile(r"(_s|_per_s|per_step|_mb)$")
 
 
 def run_command(out: Path) -> list[str]:
-    return [sys.executable, "-m", "hyco.cli", "run", str(RECIPE), "--out", str(out),
-            *[x for o in SMALL for x in ("--set", o)]]
+    return [sys.executable, "-m", "hyco.cli", *run_args(out, SMALL)]
 
 
 def run_env() -> dict[str, str]:

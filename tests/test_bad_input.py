@@ -270,6 +270,7 @@ def test_qat_refuses_bad_input(case, tiny_family, vocab_dir, tmp_path, capsys):
     _assert_refused(capsys, rc, out, *names)
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_qat_truncated_shard_in_a_fresh_process(tiny_family, vocab_dir, tmp_path):
     """The reported bug, end to end: the real stderr of the console script, not a captured one."""
     fam = _copy_family({k: tiny_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)

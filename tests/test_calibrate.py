@@ -523,6 +523,7 @@ def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated,
     print("undistilled simulator vs CPU (max |dlogprob|, bound, top-1 equal, rows):", report)
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_slm_sqnr_from_the_fidelity_sessions_equals_fresh_sessions(tiny_calibrated, tmp_path, monkeypatch):
     """Fidelity's SLM SQNR runs the float driver's picked feeds through the fidelity sessions
     themselves (they also return the layer outputs; issue 13: four session creations less). The
@@ -735,6 +736,7 @@ def _taps_as_constants_agree(path: Path, feeds: list[dict]) -> int:
     return replaced
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_calibrator_weight_taps_as_constants_give_the_ranges_onnxruntime_measures(tiny_calibrated, tmp_path):
     """Issue 13: the calibrator's ReduceMin/ReduceMax taps on each weight's DequantizeLinear kept
     every fp32 weight alive until late in the pass (E2B size: 12.9 GB peak); `constant_weight_taps`
@@ -781,6 +783,7 @@ def test_calibrator_weight_taps_as_constants_give_the_ranges_onnxruntime_measure
     assert _taps_as_constants_agree(path, feeds) == 4
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_packed_int4_calibration_writes_onnxruntimes_graph_on_the_tiny_family(tiny_calibrated, tmp_path, monkeypatch):
     """calibrate's own sessions multiply INT4 weights packed (MatMulNBits: the same fp32 products,
     summed in MLAS's packed order). On the tiny family's graphs (K <= 256: one block) that order
@@ -840,6 +843,7 @@ def _augmented_graph(model_path: Path, augment) -> onnx.GraphProto:
     return result
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_linear_augment_builds_onnxruntimes_calibration_graph(tiny_calibrated, tmp_path):
     """Issue 13: onnxruntime's MinMax calibrator rescans the node list per tapped tensor (minutes
     per E2B graph); `augment_graph_linear` must build the very same graph: every node, in the same
@@ -900,6 +904,7 @@ def test_prepare_with_weights_on_disk_writes_the_in_memory_graph(tiny_calibrated
             assert a.data_type == b.data_type and x.dtype == y.dtype and np.array_equal(x, y), a.name
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_path):
     """Issue 13: calibrate's evaluation walks the float driver first, recording each round's trees
     and commits (`lockstep(script=...)`), then the QDQ driver over the same rounds
@@ -935,6 +940,7 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
                 assert oa.keys() == ob.keys() and all(np.array_equal(oa[k], ob[k]) for k in oa)
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_lean_quantizer_writes_the_graph_onnxruntimes_own_quantize_writes(tiny_calibrated, tmp_path):
     """Issue 13: `quantize_graph` runs onnxruntime's calibrator and quantizer with their costly
     parts replaced (`_lean_quantizer`: weightless calibrator model, linear augmentation, constant

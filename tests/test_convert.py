@@ -601,6 +601,7 @@ def test_keep_set_from_another_tokenizer_exits_2(tiny_family, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_parity_exact_without_srq_rounding(tiny_family, tmp_path):
     """Justifies the tolerance policy: with the checkpoint's SRQ scales zeroed (rounding off),
     every position of every check is within 1e-4 of transformers, so the few larger

@@ -109,7 +109,6 @@ def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(t
         assert compiled.binary.stat().st_size > 0 and compiled.nodes == 1
 
 
-@pytest.mark.slow
 def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_export):
     from hyco.export.bundle import verify_bundle
     from hyco.export.qnn_system import binary_info

@@ -334,6 +334,7 @@ def test_sharpen_keeps_the_first_scale_at_target_else_the_lowest_count(
     assert torch.equal(verifier.model.norm.weight, torch.full((4,), chosen))  # the kept scale, applied once
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_short_distillation_raises_agreement(tmp_path):
     """A dozen steps per model (~1 min here): top-1 agreement with the verifier on held-out text
     must rise over the drafters at random init by at least 2 points (measured at 12 steps each:

@@ -148,6 +148,7 @@ def _convert_cli(checkpoint: Path, out: Path, *extra: str) -> int:
                  "--prefill-chunk", "4", "--ring-full", "16", "--ring-sliding", "8", *extra])
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_broken_graph_stops_convert_unless_allowed(tiny_family, tmp_path, monkeypatch, capsys):
     from hyco.artifacts import run_stage
 

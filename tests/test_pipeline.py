@@ -2,37 +2,20 @@
 stage in order, manifests, the run report, skipping on rerun, rebuilding on change."""
 
 import json
-from pathlib import Path
 
 import pytest
+from ladder import LADDER, STAGES, run_args
 
 from hyco.cli import main
 
-RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
-STAGES = ["fixtures", "vocab", "convert", "qat", "calibrate", "export", "check"]  # the tiny recipe's, in order
-# The tiny recipe itself with its costly parts cut: no distillation (minutes), few prompts,
-# two QAT steps, no smoke run at the end of export (minutes on the HTP simulator; tests/test_smoke.py
-# runs it on a bundle, tests/test_export.py checks that a failed one stops the stage). Every stage
-# and every code path between them still runs.
-SMALL = [
-    "fixtures.distill=false",
-    "vocab.count_conversations=300", "vocab.heldout_conversations=40",
-    "vocab.reserved_train=4", "vocab.reserved_eval=4",
-    "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
-    "export.smoke_prompts=0",
-    "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
-]
-
-
-def _set(overrides):
-    return [x for o in overrides for x in ("--set", o)]
-
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run") / "tiny"
-    assert main(["run", str(RECIPE), "--out", str(out), *_set(SMALL)]) == 0
-    return out
+def run_dir(ladder):
+    """The fast tier's ladder (tests/ladder.py): the tiny recipe itself with its costly parts cut
+    (no distillation, few prompts, two QAT steps, no parity, no HTP check, no smoke run at the end of
+    export: tests/test_smoke.py runs it on a bundle, tests/test_export.py checks that a failed one
+    stops the stage). Every stage and every code path between them still runs."""
+    return ladder
 
 
 def test_every_stage_writes_its_folder_and_manifest(run_dir):
@@ -69,7 +52,7 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
     assert bundle["files"]["reference/tree.qdq.onnx"]["sha256"] == \
         json.loads((run_dir / "calibrate" / "manifest.json").read_text())["outputs"]["tree.qdq.onnx"]["sha256"]
     export = json.loads((run_dir / "export" / "manifest.json").read_text())
-    assert export["summary"]["smoke_passed"] is None  # SMALL turns the smoke run off
+    assert export["summary"]["smoke_passed"] is None  # the ladder turns the smoke run off
     # declared whole: the context binaries (and the summary's timings); bundle.json only at their hashes
     declared = export["nondeterministic"]
     assert {k for k, v in declared.items() if v.get("ignore_pointers") is None} == \
@@ -88,11 +71,14 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
 
 def test_rerun_skips_and_a_changed_section_rebuilds(run_dir, capsys):
     before = json.loads((run_dir / "vocab" / "manifest.json").read_text())
-    assert main(["run", str(RECIPE), "--out", str(run_dir), *_set(SMALL)]) == 0
+    assert main(run_args(run_dir)) == 0
     out = capsys.readouterr().out
     assert out.count("skipped (manifest matches)") == len(STAGES)
     assert json.loads((run_dir / "vocab" / "manifest.json").read_text()) == before
     # a changed section reruns its stage and the stages that read it
-    assert main(["run", str(RECIPE), "--out", str(run_dir), *_set(SMALL), "--set", "check.max_new_tokens=6"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("skipped (manifest matches)") == len(STAGES) - 1 and "[check] built" in out
+    try:
+        assert main(run_args(run_dir, [*LADDER, "check.max_new_tokens=6"])) == 0
+        out = capsys.readouterr().out
+        assert out.count("skipped (manifest matches)") == len(STAGES) - 1 and "[check] built" in out
+    finally:
+        assert main(run_args(run_dir)) == 0  # the shared ladder back as the session built it

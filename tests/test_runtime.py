@@ -438,16 +438,9 @@ GRAPH_PHONE = PhoneShapes(128, 64, 128, WINDOW, "after_norm")
 
 
 @pytest.fixture(scope="module")
-def phone_vocab(tiny_family, tmp_path_factory):
-    from hyco.vocab.stage import build_vocab
-
-    from hyco.recipe import VocabConfig, load_recipe
-
-    out = tmp_path_factory.mktemp("vocab")
-    build_vocab(tokenizer=tiny_family["tokenizer"], dataset=load_recipe("recipes/tiny.yaml").dataset,
-                config=VocabConfig(size=1345, count_conversations=300, reserved_train=3, reserved_eval=1,
-                                   heldout_conversations=20), out=out)
-    return out
+def phone_vocab(ladder):
+    """The fast tier's ladder's vocab stage (tests/ladder.py): keep set 1,345 of the tiny tokenizer."""
+    return ladder / "vocab"
 
 
 @pytest.fixture(scope="module")
@@ -458,16 +451,10 @@ def keep(phone_vocab, tiny_family, family):
 
 
 @pytest.fixture(scope="module")
-def slm_graphs(tiny_family, phone_vocab, tmp_path_factory):
-    from hyco.convert.stage import convert
-
-    from hyco.recipe import ConvertConfig
-
-    out = tmp_path_factory.mktemp("convert")
-    convert(checkpoint=tiny_family["slm"], out=out, tokenizer=tiny_family["tokenizer"],
-            keep_set=phone_vocab / "keep_set.json",
-            config=ConvertConfig(parity=False, prefill_chunk=16, ring_full=128, ring_sliding=64, max_prompt=128))
-    return out
+def slm_graphs(ladder):
+    """The ladder's convert stage: the tiny recipe's graphs (33 rows, prefill chunk 16, rings
+    128 / 64, max prompt 128) over the ladder's keep set, parity off."""
+    return ladder / "convert"
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ def write_recipe(path, family, **check):
     return path
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_path, capsys):
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family)
     assert main(["check", "--recipe", str(recipe)]) == 0

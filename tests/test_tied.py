@@ -150,6 +150,7 @@ def _graph_lm_head(out, graph):
     return ints, numpy_helper.to_array(scale_t)
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_tied_convert_is_bit_exact_to_embed_tokens(converted_tied, pair):
     out, keep_ids, summary = converted_tied
     tied, _ = pair
@@ -169,6 +170,7 @@ def test_tied_convert_is_bit_exact_to_embed_tokens(converted_tied, pair):
     assert parity["passed"] and all(c["passed"] for c in parity["checks"].values())
 
 
+@pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_bitexact_compares_against_the_embedding_table(converted_tied, pair, tmp_path):
     """The proof reads embed_tokens: one changed int in a kept row of the table fails it."""
     from hyco.convert.load import completeness, read_checkpoint

@@ -1,0 +1,35 @@
+"""The fast tier's one shared pipeline: the tiny recipe, CI-sized, on the shipped undistilled family.
+
+`hyco-convert run recipes/tiny.yaml` with these overrides builds every stage once per test session
+(tests/conftest.py `ladder`): fixtures, vocab, convert (parity off: tests/test_convert.py proves it
+on its own conversion), qat (2 steps), calibrate (2 prompts, no HTP check: the slow tier runs the
+simulator), export (no smoke: minutes on the simulator, the slow tier's tests/test_smoke.py) and
+check. Tests read its folders and never write into them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
+LADDER = [
+    "fixtures.distill=false",
+    "vocab.count_conversations=300", "vocab.heldout_conversations=40",
+    "vocab.reserved_train=4", "vocab.reserved_eval=4",
+    "convert.parity=false",
+    "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
+    "calibrate.prompts=2", "calibrate.eval_prompts=1", "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2",
+    "calibrate.htp_check=false",
+    "export.smoke_prompts=0",
+    "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
+]
+STAGES = ["fixtures", "vocab", "convert", "qat", "calibrate", "export", "check"]  # the tiny recipe's, in order
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def run_args(out: Path, overrides: list[str] = LADDER) -> list[str]:
+    """`hyco-convert` arguments of the ladder's run into `out`."""
+    return ["run", str(RECIPE), "--out", str(out), *set_args(overrides)]

@@ -1,0 +1,100 @@
+"""The shipped tiny families: current, intact, used by the fixtures stage, and one draw of the
+generator byte for byte (the slow tier draws each afresh)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hyco.errors import HycoError
+from hyco.fixtures import shipped
+from hyco.fixtures.cache import generate_family, source_hash
+
+
+@pytest.mark.parametrize("name", sorted(shipped.SHIPPED))
+def test_shipped_family_is_current_and_intact(name):
+    options = shipped.SHIPPED[name]
+    manifest = json.loads((shipped.SHIPPED_ROOT / name / shipped.MANIFEST).read_text())
+    assert manifest["key"] == source_hash(options, versions=False), (
+        f"the generator changed since {name} was drawn: refresh it with `python -m hyco.fixtures.shipped {name}`")
+    assert shipped.verified_shipped(options) == shipped.SHIPPED_ROOT / name
+    assert {"tokenizer/tokenizer.json", "slm/config.json", "verifier/config.json", "assistant/config.json",
+            "family.json"} <= set(manifest["files"])
+
+
+@pytest.mark.parametrize("damage", ["flip", "remove", "extra"])
+def test_a_damaged_shipped_copy_is_refused_naming_the_file(tmp_path, monkeypatch, damage):
+    name = "tiny-seed0"
+    root = tmp_path / "shipped"
+    shutil.copytree(shipped.SHIPPED_ROOT / name, root / name)
+    monkeypatch.setattr(shipped, "SHIPPED_ROOT", root)
+    target = root / name / "slm" / "config.json"
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[10] ^= 1
+        target.write_bytes(bytes(data))
+    elif damage == "remove":
+        target.unlink()
+    else:
+        target = root / name / "slm" / "stray.bin"
+        target.write_bytes(b"x")
+    with pytest.raises(HycoError) as err:
+        shipped.copy_shipped(shipped.SHIPPED[name], tmp_path / "out")
+    assert ("stray.bin" if damage == "extra" else str(target)) in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stale_shipped_copy_is_not_used(tmp_path, monkeypatch):
+    name = "tiny-seed0"
+    root = tmp_path / "shipped"
+    shutil.copytree(shipped.SHIPPED_ROOT / name, root / name)
+    manifest = json.loads((root / name / shipped.MANIFEST).read_text())
+    manifest["key"] = "0" * 16  # drawn by another version of the generator
+    (root / name / shipped.MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.setattr(shipped, "SHIPPED_ROOT", root)
+    assert shipped.copy_shipped(shipped.SHIPPED[name], tmp_path / "out") is None
+    assert shipped.verified_shipped({"preset": "tiny", "seed": 1, "distill": False}) is None  # no such draw
+
+
+def test_fixtures_stage_copies_the_shipped_draw(tmp_path):
+    from hyco.fixtures.stage import build_fixtures
+    from hyco.recipe import FixturesConfig
+
+    out = tmp_path / "fixtures"
+    out.mkdir()
+    summary = build_fixtures(config=FixturesConfig(preset="tiny", seed=0, distill=True), out=out)
+    report = json.loads((out / "report.json").read_text())
+    assert report["origin"]["shipped"] == "hyco/fixtures/shipped/tiny-seed0-distilled"
+    assert shipped.compare_families(shipped.SHIPPED_ROOT / "tiny-seed0-distilled", out) == [
+        f"only in {out}: {f}" for f in ("report.json", "slm_bits.png", "summary.md")]
+    assert "Copied from the package's shipped draw" in (out / "summary.md").read_text()
+    assert summary["distill"] and summary["slm"] > 0
+
+
+def test_compare_families_sees_a_changed_byte_but_not_a_wall_time(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        shutil.copytree(shipped.SHIPPED_ROOT / "tiny-seed0-distilled", folder)
+    report = json.loads((b / "distill_report.json").read_text())
+    report["wall_s"] += 1.0
+    report["verifier"]["wall_s"] += 2.0
+    (b / "distill_report.json").write_text(json.dumps(report))
+    assert shipped.compare_families(a, b) == []
+    report["verifier"]["steps"] += 1
+    (b / "distill_report.json").write_text(json.dumps(report))
+    shard = b / "verifier" / "model-00001-of-00005.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    assert shipped.compare_families(a, b) == ["differs: distill_report.json",
+                                              "differs: verifier/model-00001-of-00005.safetensors"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(shipped.SHIPPED))
+def test_a_fresh_draw_equals_the_shipped_family_byte_for_byte(name, tmp_path):
+    """Minutes for the distilled family: its whole training runs again."""
+    generate_family(tmp_path / name, shipped.SHIPPED[name])
+    assert shipped.compare_families(shipped.SHIPPED_ROOT / name, tmp_path / name) == []
