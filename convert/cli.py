@@ -29,11 +29,18 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ring-full", type=int, default=_DEFAULT.ring_full, help="KV ring slots of full layers")
     p.add_argument("--ring-sliding", type=int, default=_DEFAULT.ring_sliding, help="KV ring slots of sliding layers")
     p.add_argument("--topk", type=int, default=_DEFAULT.topk, help="in-graph top-k")
+    p.add_argument("--float-linear-bits", type=_bits_or_none, default=_DEFAULT.float_linear_bits,
+                   help="width at which convert quantizes, per output channel, a linear the checkpoint leaves in "
+                   "float (modules_to_not_convert); 'none' refuses such a checkpoint (default: %(default)s)")
     p.add_argument("--no-parity", action="store_true", help="skip the parity checks against transformers")
     p.add_argument("--allow-parity-failure", action="store_true",
                    help="write the artifacts although the bit-exact or parity proof failed (manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
     p.set_defaults(func=_cmd_convert)
+
+
+def _bits_or_none(text: str) -> int | None:
+    return None if text.lower() in ("none", "null") else int(text)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -44,7 +51,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     try:
         config = dataclasses.replace(_DEFAULT, rows=args.rows, prefill_chunk=args.prefill_chunk,
                                      ring_full=args.ring_full, ring_sliding=args.ring_sliding, topk=args.topk,
-                                     parity=not args.no_parity)
+                                     parity=not args.no_parity, float_linear_bits=args.float_linear_bits)
     except ValueError as e:
         from hyco.errors import HycoError
 

@@ -55,6 +55,9 @@ class Checkpoint:
     layout: Layout
     tensors: dict[str, tuple[str, tuple[int, ...], Path]]  # name -> (dtype, shape, file)
     bits: dict[str, int] = field(default_factory=dict)  # quantized module (checkpoint name) -> bits
+    # Linears the checkpoint leaves in float (quantization_config.modules_to_not_convert, matched
+    # as transformers matches it): the NPU graph still needs their weights as integers.
+    float_linears: set[str] = field(default_factory=set)
     # tie_word_embeddings with no lm_head.weight in the files: the output layer's ints and scales
     # are embed_tokens' (embedding_quantized, embedding_scale), as Gemma releases tie them.
     tied_head: bool = False
@@ -152,7 +155,7 @@ def expected_tensors(ckpt: Checkpoint) -> dict[str, Expect]:
     with torch.device("meta"):
         model = Gemma4ForCausalLM(tc)
     quantize_embeddings = bool(ckpt.quant.get("quantize_embeddings", False))
-    skip = set(ckpt.quant.get("modules_to_not_convert") or [])
+    skip = not_converted_patterns(model, ckpt.quant)
 
     def checkpoint_name(name: str) -> str:  # Gemma4ForCausalLM name -> this layout's name
         return ckpt.layout.text_prefix + name[len("model."):] if name.startswith("model.") else name
@@ -162,7 +165,11 @@ def expected_tensors(ckpt: Checkpoint) -> dict[str, Expect]:
     for name, module in model.named_modules():
         cname = checkpoint_name(name)
         is_linear, is_embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
-        if not (is_linear or (is_embedding and quantize_embeddings)) or cname in skip:
+        if not (is_linear or (is_embedding and quantize_embeddings)):
+            continue
+        if not converted(cname, skip):  # left in float: its tensors are the float ones (below)
+            if is_linear:
+                ckpt.float_linears.add(cname)
             continue
         bits = module_bits(cname, ckpt.quant)
         ckpt.bits[cname] = bits
@@ -186,6 +193,25 @@ def expected_tensors(ckpt: Checkpoint) -> dict[str, Expect]:
             continue
         expect[checkpoint_name(name)] = Expect(tuple(tensor.shape), frozenset(FLOAT_DTYPES))
     return expect
+
+
+def not_converted_patterns(model, quant: dict[str, Any]) -> list[str]:
+    """The patterns transformers' GemmaQuantizer leaves in float: the config's
+    modules_to_not_convert (transformers' default skips when it is absent) and the model's
+    fp32-kept modules, exactly as the quantizer gathers them."""
+    from transformers.quantizers.base import HfQuantizer
+
+    return HfQuantizer.get_modules_to_not_convert(model, quant.get("modules_to_not_convert"),
+                                                  getattr(model, "_keep_in_fp32_modules", None))
+
+
+def converted(name: str, patterns: list[str]) -> bool:
+    """Does transformers quantize module `name` (the checkpoint's own module path)? Its own
+    matcher: a pattern matches from the start to a module boundary, as a regex with the same
+    boundary, or as a suffix."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    return should_convert_module(name, patterns)
 
 
 def completeness(ckpt: Checkpoint) -> dict[str, Any]:
@@ -252,6 +278,8 @@ def load_model(ckpt: Checkpoint):
     import torch
     import transformers
 
+    from hyco.loading import tied_quantized_class
+
     cls = getattr(transformers, architecture(ckpt.config))
     kwargs = {}
     if ckpt.tied_head:
@@ -278,27 +306,6 @@ def load_model(ckpt: Checkpoint):
             if key.endswith(("input_activation_scale", "output_activation_scale")):
                 model.get_parameter(key).zero_()
     return model, text, model.lm_head
-
-
-def tied_quantized_class(cls):
-    """`cls` whose tie maps lm_head's packed ints and row scales onto embed_tokens' quantized
-    table, so transformers' own tie_weights shares the checkpoint's tensors. transformers ties
-    lm_head.weight to embed_tokens.weight, which a QuantizedEmbedding does not have (a tied *and*
-    quantized embedding crashes from_pretrained; platform notes)."""
-
-    class TiedQuantized(cls):
-        def tie_weights(self, missing_keys=None, recompute_mapping=False):
-            keys = self.all_tied_weights_keys  # {target: source}, expanded at init for the float modules
-            source = keys.get("lm_head.weight", "")
-            if source.endswith("embed_tokens.weight") and hasattr(self.get_input_embeddings(), "embedding_quantized"):
-                del keys["lm_head.weight"]
-                table = source[: -len("weight")]
-                keys["lm_head.weight"] = table + "embedding_quantized"
-                keys["lm_head.weight_scale"] = table + "embedding_scale"
-            return super().tie_weights(missing_keys=missing_keys, recompute_mapping=recompute_mapping)
-
-    TiedQuantized.__name__ = TiedQuantized.__qualname__ = cls.__name__
-    return TiedQuantized
 
 
 def kv_cache_scales(ckpt: Checkpoint, names: list[str]) -> dict[str, float]:

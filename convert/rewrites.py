@@ -34,18 +34,43 @@ def unpacked_ints(module) -> torch.Tensor:
     return integer_linear(module, "unpacked_ints").int_values()
 
 
-def integer_linear(module, source: str) -> IntLinear:
-    """The QuantizedLinear's packed storage itself (no copy, no unpacking) and its scales."""
+def integer_linear(module, source: str, float_bits: int | None = None) -> IntLinear:
+    """The QuantizedLinear's packed storage itself (no copy, no unpacking) and its scales. A
+    linear the checkpoint left in float is quantized here at `float_bits` (None: refused)."""
     from transformers.integrations.gemma_quant import QuantizedLinear
 
-    if not isinstance(module, QuantizedLinear):
-        raise HycoError(f"{source}: expected a quantized linear (QuantizedLinear), but got {type(module).__name__}; "
-                        "the NPU graph takes integer weights only")
     if module.bias is not None:
         raise HycoError(f"{source}: linears with a bias are not supported")
+    float_linear = isinstance(module, nn.Linear) and not isinstance(module, QuantizedLinear)  # a subclass
+    if float_linear and float_bits is not None:
+        return quantized_here(module.weight.data, source, float_bits)
+    if not isinstance(module, QuantizedLinear):
+        raise HycoError(f"{source}: expected a quantized linear (QuantizedLinear), but got {type(module).__name__}; "
+                        "the NPU graph takes integer weights only (convert.float_linear_bits quantizes float ones)")
     return IntLinear(module.weight.data, module.weight_scale.data.reshape(-1), module.num_bits, module.in_features,
                      source, float(module.input_activation_scale.detach()),
                      float(module.output_activation_scale.detach()))
+
+
+def quantize_float_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hyco-convert's own quantization of a weight the checkpoint left in float: symmetric, one
+    scale per output channel, each scale's clip ratio chosen by least squared error (the same
+    rule as the QAT format's writer, hyco/gemma_quant.py). (ints int8 [out, in], scale [out])."""
+    from hyco.gemma_quant import quantize_rows
+
+    ints, scale = quantize_rows(weight.float(), bits)
+    return ints, scale.reshape(-1)
+
+
+def quantized_here(weight: torch.Tensor, source: str, bits: int) -> IntLinear:
+    """An IntLinear holding hyco-convert's quantization of a float weight, marked as such (no SRQ:
+    the checkpoint calibrated none for it)."""
+    from hyco.gemma_quant import pack
+
+    ints, scale = quantize_float_weight(weight, bits)
+    linear = IntLinear(pack(ints, bits), scale, bits, weight.shape[1], source)
+    linear.origin = "hyco-convert"
+    return linear
 
 
 def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:
@@ -75,11 +100,11 @@ def layer_shape(config, index: int, attn) -> LayerShape:
     return LayerShape(index, layer_type, config.num_attention_heads, kv_heads, attn.head_dim, owner)
 
 
-def static_layer(config, index: int, hf_layer, prefix: str) -> DecoderLayer:
+def static_layer(config, index: int, hf_layer, prefix: str, float_bits: int | None = None) -> DecoderLayer:
     a = hf_layer.self_attn
     shape = layer_shape(config, index, a)
     owns = shape.kv_owner == index
-    lin = lambda m, name: integer_linear(m, f"{prefix}.{name}")
+    lin = lambda m, name: integer_linear(m, f"{prefix}.{name}", float_bits)
     attn = Attention(
         shape,
         q_proj=lin(a.q_proj, "self_attn.q_proj"),
@@ -112,7 +137,7 @@ def effective_windows(config, ring_full: int, ring_sliding: int) -> dict[str, in
 
 def build_static_model(text_model, lm_head, *, text_prefix: str, keep_ids,
                        ring_full: int, ring_sliding: int, topk: int, mask_negative: float,
-                       topk_slice: int = 65_536, release: bool = True) -> StaticGemma:
+                       topk_slice: int = 65_536, release: bool = True, float_bits: int | None = None) -> StaticGemma:
     """transformers' Gemma4TextModel + lm_head -> StaticGemma, one layer at a time.
 
     With `release`, each transformers layer is replaced by an empty module as soon as it is
@@ -124,13 +149,13 @@ def build_static_model(text_model, lm_head, *, text_prefix: str, keep_ids,
             text_model.embed_tokens_per_layer = nn.Module()
     layers = []
     for i in tqdm(range(config.num_hidden_layers), desc="convert layers", leave=False):
-        layers.append(static_layer(config, i, text_model.layers[i], f"{text_prefix}layers.{i}"))
+        layers.append(static_layer(config, i, text_model.layers[i], f"{text_prefix}layers.{i}", float_bits))
         if release:
             text_model.layers[i] = nn.Module()
     per_layer = None
     if config.hidden_size_per_layer_input:
         per_layer = PerLayerInputs(
-            integer_linear(text_model.per_layer_model_projection, f"{text_prefix}per_layer_model_projection"),
+            integer_linear(text_model.per_layer_model_projection, f"{text_prefix}per_layer_model_projection", float_bits),
             decompose_rmsnorm(text_model.per_layer_projection_norm),
             config.num_hidden_layers, config.hidden_size_per_layer_input, config.hidden_size)
     output = SoftcapHead(decompose_rmsnorm(text_model.norm), restrict_to_keep_set(lm_head, "lm_head", keep_ids),

@@ -64,10 +64,39 @@ def encodings(static, kv_scales: dict[str, float]) -> dict[str, Any]:
     for init, m in int_linears(static).items():
         linears[m.source] = {"onnx_initializer": init, "bits": m.bits, "container": "INT4" if m.bits <= 4 else "INT8",
                              "shape": list(m.shape), "srq_input_scale": m.input_scale,
-                             "srq_output_scale": m.output_scale}
+                             "srq_output_scale": m.output_scale, "origin": m.origin}
+        if m.origin != "checkpoint":
+            linears[m.source]["note"] = QUANTIZED_HERE
     return {"version": 1, "weights": linears, "kv_cache_scales": kv_scales,
             "note": "bits is the checkpoint's width; 2-bit weights travel in INT4 containers (HTP computes "
-                    "wrong numbers on ONNX INT2). SRQ scales are 8-bit symmetric (0 = off)."}
+                    "wrong numbers on ONNX INT2). SRQ scales are 8-bit symmetric (0 = off). origin "
+                    "'hyco-convert': a linear the checkpoint left in float, quantized by hyco-convert."}
+
+
+QUANTIZED_HERE = ("quantized by hyco-convert, not from the checkpoint: the checkpoint leaves this linear in float "
+                  "(modules_to_not_convert); symmetric per output channel, least-squares clip, no SRQ")
+
+
+def float_weight(ckpt, source: str):
+    """The float weight a checkpoint stores for a linear it left unquantized (float32 torch)."""
+    from hyco.loading import open_safetensors, read_tensor
+
+    name = f"{source}.weight"
+    path = ckpt.tensors[name][2]
+    with open_safetensors(path) as f:
+        return read_tensor(f, name, path).float()
+
+
+def requantized(ckpt, source: str, bits: int) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """hyco-convert's quantization of a float linear, redone from the file: (ints, scales, its
+    error against the float weight: max |w - w_q| and ||w - w_q|| / ||w||)."""
+    from hyco.convert.rewrites import quantize_float_weight
+
+    w = float_weight(ckpt, source)
+    ints, scale = quantize_float_weight(w, bits)
+    err = w - ints.float() * scale[:, None]
+    return ints.numpy(), scale.numpy(), {"max_abs": float(err.abs().max()),
+                                         "relative_rms": float(err.norm() / w.norm().clamp_min(1e-30))}
 
 
 def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict[str, Any]:
@@ -93,8 +122,16 @@ def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict
             ints_name, scale_name = (f"{tied_embedding(ckpt)}.embedding_quantized",
                                      f"{tied_embedding(ckpt)}.embedding_scale")
         bits = ckpt.bits.get(source, e["bits"])  # the checkpoint's width, not the graph's claim
-        ck_packed = mmap_safetensors(ckpt.tensors[ints_name][2], [ints_name])[0][ints_name]
-        ck_scale = np.asarray(mmap_safetensors(ckpt.tensors[scale_name][2], [scale_name])[0][scale_name]).reshape(-1)
+        error = None
+        if e.get("origin", "checkpoint") != "checkpoint":
+            # Not the checkpoint's ints: proven against hyco-convert's quantization redone from the
+            # float weight in the file, and its error against that weight reported.
+            bits, ints_name, scale_name = e["bits"], f"{source}.weight", None
+            ints, ck_scale, error = requantized(ckpt, source, bits)
+            ck_packed = ints
+        else:
+            ck_packed = mmap_safetensors(ckpt.tensors[ints_name][2], [ints_name])[0][ints_name]
+            ck_scale = np.asarray(mmap_safetensors(ckpt.tensors[scale_name][2], [scale_name])[0][scale_name]).reshape(-1)
         ck_rows = np.arange(ck_packed.shape[0])
         if source == "lm_head" and keep_ids is not None:  # the keep rows only
             ck_rows, ck_scale = np.asarray(keep_ids), ck_scale[keep_ids]
@@ -111,15 +148,19 @@ def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict
                 g = g.reshape(r1 - r0, shape[1])
             else:
                 g = graph[r0:r1]
-            ck = unpack_ints(np.asarray(ck_packed[ck_rows[r0:r1]]), bits, shape[1])
+            ck = np.asarray(ck_packed[ck_rows[r0:r1]])
+            ck = ck if error is not None else unpack_ints(ck, bits, shape[1])
             ints_equal = ints_equal and ck.shape == g.shape and np.array_equal(ck, g)
             if not ints_equal:
                 break
         rows[source] = {"bits": bits, "container": onnx.TensorProto.DataType.Name(ints_t.data_type),
-                        "shape": list(shape), "checkpoint_tensors": [ints_name, scale_name],
+                        "shape": list(shape), "checkpoint_tensors": [n for n in (ints_name, scale_name) if n],
+                        "origin": e.get("origin", "checkpoint"),
                         "ints_equal": bool(ints_equal),
                         "scales_equal": bool(ck_scale.shape == graph_scale.shape
                                              and np.array_equal(ck_scale.view(np.uint32), graph_scale.view(np.uint32)))}
+        if error is not None:
+            rows[source].update(note=QUANTIZED_HERE, error_vs_float=error)
     return rows
 
 
@@ -218,6 +259,16 @@ def run_parity(ckpt, keep_ids, out: Path, ring_graphs: Path | None, rope,
 
     model, text, _ = load_model(ckpt)
     model.set_attn_implementation("eager")
+    enc = read_json(out / "encodings.json")
+    with torch.no_grad():
+        # Linears the checkpoint left in float run in the graph as hyco-convert quantized them: the
+        # reference takes the same values, so parity proves the surgery; the quantization's own
+        # error against float is bitexact.json's error_vs_float.
+        for source, e in enc["weights"].items():
+            if e.get("origin", "checkpoint") != "checkpoint":
+                ints, scale, _ = requantized(ckpt, source, e["bits"])
+                weight = model.get_submodule(source).weight
+                weight.copy_(torch.from_numpy(ints).float() * torch.from_numpy(scale)[:, None])
     keep = np.arange(text.config.vocab_size) if keep_ids is None else keep_ids
     # The reference runs are short sequences: one thread avoids spin-waiting on a busy CPU
     # (a tiny forward took 1.8 s with 2 contended threads, 55 ms with one).
@@ -225,7 +276,7 @@ def run_parity(ckpt, keep_ids, out: Path, ring_graphs: Path | None, rope,
     torch.set_num_threads(1)
     try:
         return run_checks(model, keep, graphs=out, luts=out / "luts", rope=rope,
-                          enc=read_json(out / "encodings.json"), ring_graphs=ring_graphs, only=only)
+                          enc=enc, ring_graphs=ring_graphs, only=only)
     finally:
         torch.set_num_threads(threads)
 
@@ -267,6 +318,11 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     with phase("read checkpoint, LUTs"):
         ckpt = read_checkpoint(checkpoint)
         load_report = completeness(ckpt)
+        if ckpt.float_linears and config.float_linear_bits is None:
+            raise HycoError(f"{ckpt.folder / 'config.json'}: modules_to_not_convert leaves {len(ckpt.float_linears)} "
+                            f"linear(s) in float (first: {sorted(ckpt.float_linears)[0]}), and convert.float_linear_bits "
+                            "is null; the NPU graph takes integer weights only")
+        load_report["float_linears"] = sorted(ckpt.float_linears)
         tc = text_config(ckpt.folder)
         keep_ids = keep_ids_for(keep_set, tokenizer or ckpt.folder, tc.vocab_size, ckpt.folder) if config.use_keep_set else None
         luts = write_luts(ckpt, tc, out / "luts")
@@ -278,7 +334,8 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
         write_json(out / "rope.json", rope)
         static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids,
                                     ring_full=config.ring_full, ring_sliding=config.ring_sliding, topk=config.topk,
-                                    mask_negative=config.mask_negative, topk_slice=config.topk_slice)
+                                    mask_negative=config.mask_negative, topk_slice=config.topk_slice,
+                                    float_bits=config.float_linear_bits)
         del model, text, lm_head  # the static module now holds the only copy of the weights (packed)
         release_free_heap()
     with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
@@ -330,6 +387,7 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
               "keep_set": {"path": str(keep_set) if keep_ids is not None else None,
                            "size": int(len(keep_ids)) if keep_ids is not None else tc.vocab_size},
               "luts": luts, "graphs": sizes, "bitexact_all_equal": all_equal,
+              "quantized_here": {k: r for k, r in tree.items() if r["origin"] != "checkpoint"},
               "parity_passed": None if parity is None else parity["passed"],
               "windows": windows, "phases": phase.rows, "wall_s": round(time.perf_counter() - start, 2),
               "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -387,6 +445,11 @@ def summary_md(report: dict[str, Any], parity: dict[str, Any] | None) -> str:
     if report["load"]["extra"]:
         md += f"\nExtra checkpoint tensors not used by the graphs ({len(report['load']['extra'])}): " \
               + ", ".join(f"`{n}`" for n in report["load"]["extra"][:10]) + "\n"
+    for source, row in report.get("quantized_here", {}).items():
+        err = row["error_vs_float"]
+        md += (f"\n`{source}`: {QUANTIZED_HERE} (int{row['bits']}; error against the float weight: max "
+               f"{err['max_abs']:.3g}, relative rms {err['relative_rms']:.3g}). Parity runs transformers with the same "
+               "values.\n")
     if report.get("proof_failed"):
         md += f"\n**Proof failed** (artifacts kept with --allow-parity-failure): {report['proof_failed']}\n"
     if parity is not None:

@@ -90,6 +90,7 @@ class IntLinear(nn.Module):
         self.register_buffer("ints", torch.zeros((), dtype=torch.int8).expand(rows, in_features))
         self.register_buffer("scale", scale.to(torch.float32).reshape(-1).contiguous())  # [out]
         self.bits, self.source, self.in_features = bits, source, in_features
+        self.origin = "checkpoint"  # or "hyco-convert": a float weight quantized here (rewrites.quantized_here)
         self.input_scale, self.output_scale = float(input_scale), float(output_scale)
         if self.input_scale:
             self.register_buffer("srq_in", torch.tensor(self.input_scale, dtype=torch.float32))

@@ -272,6 +272,47 @@ def load_config(folder: str | Path, what: str = "model"):
         raise HycoError(f"{folder / 'config.json'}: transformers cannot read the {what} config ({one_line(e)})") from None
 
 
+def quantized_tie(config: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> str | None:
+    """How a QAT checkpoint's tie flag meets its files, where the token table is quantized:
+    "stored" (tie_word_embeddings true but lm_head.weight stored, as Google's E2B QAT-mobile file
+    ships: the file's own head is used, since transformers' tie would reach for
+    embed_tokens.weight, which a QuantizedEmbedding does not have), "table" (tied and no lm_head:
+    the head reads embed_tokens' quantized table), None (no quantized table, or untied)."""
+    if not any(n.endswith("embed_tokens.embedding_quantized") for n in tensors):
+        return None
+    if not bool(config.get("tie_word_embeddings", True)):  # transformers' default is true
+        return None
+    return "stored" if "lm_head.weight" in tensors else "table"
+
+
+def tied_quantized_class(cls):
+    """`cls` whose tie maps lm_head's packed ints and row scales onto embed_tokens' quantized
+    table, so transformers' own tie_weights shares the checkpoint's tensors. transformers ties
+    lm_head.weight to embed_tokens.weight, which a QuantizedEmbedding does not have (a tied *and*
+    quantized embedding crashes from_pretrained; platform notes)."""
+
+    class TiedQuantized(cls):
+        def tie_weights(self, missing_keys=None, recompute_mapping=False):
+            keys = self.all_tied_weights_keys  # {target: source}, expanded at init for the float modules
+            source = keys.get("lm_head.weight", "")
+            if source.endswith("embed_tokens.weight") and hasattr(self.get_input_embeddings(), "embedding_quantized"):
+                del keys["lm_head.weight"]
+                table = source[: -len("weight")]
+                keys["lm_head.weight"] = table + "embedding_quantized"
+                keys["lm_head.weight_scale"] = table + "embedding_scale"
+            return super().tie_weights(missing_keys=missing_keys, recompute_mapping=recompute_mapping)
+
+    TiedQuantized.__name__ = TiedQuantized.__qualname__ = cls.__name__
+    return TiedQuantized
+
+
+def causal_lm_class(folder: str | Path):
+    """The concrete class AutoModelForCausalLM would build for `folder`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(folder))]
+
+
 def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint: bool = True,
                     check_finite: bool = True, **kwargs):
     """`cls.from_pretrained(folder, **kwargs)` (default AutoModelForCausalLM) on a checked local
@@ -285,6 +326,11 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
     tensors = checkpoint_files(folder, what)
     if float_checkpoint:
         check_float_checkpoint(tensors, what)
+    tie = quantized_tie(read_json(folder / "config.json", f"{what} config.json"), tensors)
+    if tie == "stored":
+        kwargs = {"tie_word_embeddings": False, **kwargs}
+    elif tie == "table":
+        cls = tied_quantized_class(causal_lm_class(folder) if cls.__name__.startswith("Auto") else cls)
     from transformers.utils import logging as hf_logging
 
     # transformers reports a missing or misshapen tensor as a multi-line warning table and goes on
@@ -306,13 +352,28 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
         hf_logging.set_verbosity(verbosity)
         if bar:
             hf_logging.enable_progress_bar()
+    srq_off = set()
+    if not float_checkpoint:
+        # An SRQ scale the QAT file leaves out is off (0, the format's convention; convert does the
+        # same); transformers' init of a missing key would leave it at a random value.
+        srq_off = {k for k in info.get("missing_keys") or [] if k.endswith(("input_activation_scale",
+                                                                          "output_activation_scale"))}
+        with torch.no_grad():
+            for k in srq_off:
+                model.get_parameter(k).zero_()
     for key in ("missing_keys", "mismatched_keys"):
-        bad = sorted(info.get(key) or [])
+        bad = sorted(k for k in info.get(key) or [] if k not in srq_off)
         if bad:
             first = bad[0] if isinstance(bad[0], str) else bad[0][0]
             kind = "missing from" if key == "missing_keys" else "of the wrong shape in"
             shapes = "" if isinstance(bad[0], str) else f": {list(bad[0][1])}, the model needs {list(bad[0][2])}"
             raise HycoError(f"{folder}: tensor {first!r} is {kind} the {what} checkpoint{shapes} ({len(bad)} such)")
+    if tie == "table":
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head.weight is not embed.embedding_quantized:
+            raise HycoError(f"{folder}: tie_word_embeddings is true, but transformers did not tie lm_head to the "
+                            "quantized embed_tokens table")
+        head.num_bits = embed.num_bits  # unpack the shared table at its own width
     if upcast:
         upcast_to_float32(model)
     if check_finite:

@@ -122,9 +122,14 @@ class ConvertConfig:
     topk_slice: int = 65_536  # the HTP returns TopK indices modulo 65,536: search slices this wide
     parity: bool = True  # run the parity checks against transformers (CPU; minutes on a real E2B)
     parity_ring_full: int = 32  # ring size for the "past the ring" parity check
+    # Linears the checkpoint leaves in float (modules_to_not_convert, e.g. E2B's
+    # per_layer_model_projection) are quantized per channel at this width; null refuses them.
+    float_linear_bits: int | None = 8
 
     def __post_init__(self):
         _require(self.rows >= 1, f"convert.rows must be >= 1, but got {self.rows}")
+        _require(self.float_linear_bits in (None, 2, 4, 8),
+                 f"convert.float_linear_bits must be 2, 4, 8 or null, but got {self.float_linear_bits!r}")
         _require(self.prefill_chunk >= 1, f"convert.prefill_chunk must be >= 1, but got {self.prefill_chunk}")
         _require(self.topk >= 1, f"convert.topk must be >= 1, but got {self.topk}")
         _require(1 <= self.topk_slice <= 65_536, f"convert.topk_slice must be in [1, 65536], but got {self.topk_slice}")

@@ -210,3 +210,38 @@ def test_tied_with_block_wise_embedding_scales_is_refused(pair, tmp_path):
     _edit_shards(blocks, edit)
     with pytest.raises(HycoError, match=rf"{EMBED}\.embedding_scale has 2 blocks per row, but a tied output layer"):
         completeness(read_checkpoint(blocks))
+
+
+# --- the other loaders: the check stage's torch SLM ---------------------------------------------
+
+
+def write_tie_flag_with_stored_head(src, dst):
+    """The published E2B QAT-mobile file's way: tie_word_embeddings true, and lm_head stored anyway."""
+    shutil.copytree(src, dst)
+    _set_config(dst, tie_word_embeddings=True)
+    return dst
+
+
+def test_check_loads_a_tie_flag_with_a_stored_head_as_the_untied_model(tiny_family, tmp_path):
+    """transformers' own tie would reach for embed_tokens.weight, which a quantized table lacks
+    (an AttributeError in tie_weights); the stored head is the model's output layer."""
+    from hyco.runtime_check.check import load_model
+
+    stored = write_tie_flag_with_stored_head(tiny_family["slm"], tmp_path / "stored")
+    model, plain = load_model(stored, "SLM"), load_model(tiny_family["slm"], "SLM")
+    assert model.lm_head.weight is not model.model.embed_tokens.embedding_quantized
+    ids = torch.randint(3, 4096, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_check_loads_a_tied_table_as_its_untied_twin(pair):
+    from hyco.runtime_check.check import load_model
+
+    tied, twin = pair
+    model, twin_model = load_model(tied, "SLM"), load_model(twin, "SLM")
+    assert model.lm_head.weight is model.model.embed_tokens.embedding_quantized
+    assert model.lm_head.num_bits == model.model.embed_tokens.num_bits
+    ids = torch.randint(3, 4096, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, twin_model(ids).logits)
