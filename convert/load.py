@@ -278,7 +278,7 @@ def load_model(ckpt: Checkpoint):
     import torch
     import transformers
 
-    from hyco.loading import tied_quantized_class
+    from hyco.loading import block_scaled_tables, set_block_scales, tied_quantized_class
 
     cls = getattr(transformers, architecture(ckpt.config))
     kwargs = {}
@@ -286,11 +286,21 @@ def load_model(ckpt: Checkpoint):
         cls = tied_quantized_class(cls)
     elif "lm_head.weight" in ckpt.tensors:
         kwargs["tie_word_embeddings"] = False  # the file's own output layer (a tied quantized pair would crash)
+    blocks = block_scaled_tables(ckpt.tensors)
+    if blocks:
+        # transformers allocates one scale per row ([V, 1]) and refuses [V, blocks]: load the rest,
+        # then give those tables their block scales (QuantizedEmbedding dequantizes per block).
+        kwargs["ignore_mismatched_sizes"] = True
     try:
         model, info = cls.from_pretrained(str(ckpt.folder), dtype=torch.float32, output_loading_info=True, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise HycoError(f"{ckpt.folder}: transformers could not load the checkpoint ({str(e).splitlines()[0]})") from None
     model.eval()
+    mismatched = {k for k, *_ in info.get("mismatched_keys") or []}
+    if mismatched - set(blocks):  # completeness() checked every shape: nothing else may differ
+        raise HycoError(f"{ckpt.folder}: tensor {sorted(mismatched - set(blocks))[0]!r} has another shape than "
+                        "transformers' model")
+    set_block_scales(model, ckpt.tensors, blocks)
     text = model.model.language_model if ckpt.layout.name == "multimodal" else model.model
     if ckpt.tied_head:
         embed = text.embed_tokens

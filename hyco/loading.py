@@ -306,6 +306,29 @@ def tied_quantized_class(cls):
     return TiedQuantized
 
 
+def block_scaled_tables(tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> list[str]:
+    """embedding_scale tensors with more than one block per row (E2B's per-layer table: one scale
+    per layer's slice, [vocab, layers]), which transformers allocates as [V, 1] and refuses."""
+    return sorted(n for n, (_, shape, _) in tensors.items()
+                  if n.endswith(".embedding_scale") and len(shape) == 2 and shape[-1] > 1)
+
+
+def set_block_scales(model, tensors: dict[str, tuple[str, tuple[int, ...], Path]], names: list[str]) -> None:
+    """Each table's block scales from its file, in place of the [V, 1] transformers allocated
+    (its QuantizedEmbedding dequantizes per block: width / blocks values share a scale)."""
+    import torch
+
+    for name in names:
+        path = tensors[name][2]
+        with open_safetensors(path) as f:
+            scale = read_tensor(f, name, path).float()
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if module.embedding_dim % scale.shape[-1]:
+            raise HycoError(f"{path}: tensor {name!r} has {scale.shape[-1]} blocks, which do not tile rows of "
+                            f"{module.embedding_dim}")
+        module.embedding_scale = torch.nn.Parameter(scale, requires_grad=False)
+
+
 def causal_lm_class(folder: str | Path):
     """The concrete class AutoModelForCausalLM would build for `folder`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -327,6 +350,7 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
     if float_checkpoint:
         check_float_checkpoint(tensors, what)
     tie = quantized_tie(read_json(folder / "config.json", f"{what} config.json"), tensors)
+    blocks = block_scaled_tables(tensors)
     if tie == "stored":
         kwargs = {"tie_word_embeddings": False, **kwargs}
     elif tie == "table":
@@ -361,8 +385,9 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
         with torch.no_grad():
             for k in srq_off:
                 model.get_parameter(k).zero_()
+    set_block_scales(model, tensors, blocks)
     for key in ("missing_keys", "mismatched_keys"):
-        bad = sorted(k for k in info.get(key) or [] if k not in srq_off)
+        bad = sorted(k for k in info.get(key) or [] if k not in srq_off and (k if isinstance(k, str) else k[0]) not in blocks)
         if bad:
             first = bad[0] if isinstance(bad[0], str) else bad[0][0]
             kind = "missing from" if key == "missing_keys" else "of the wrong shape in"
