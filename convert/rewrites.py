@@ -39,9 +39,9 @@ def integer_linear(module, source: str, float_bits: int | None = None) -> IntLin
     linear the checkpoint left in float is quantized here at `float_bits` (None: refused)."""
     from transformers.integrations.gemma_quant import QuantizedLinear
 
-    if module.bias is not None:
+    if getattr(module, "bias", None) is not None:
         raise HycoError(f"{source}: linears with a bias are not supported")
-    float_linear = isinstance(module, nn.Linear) and not isinstance(module, QuantizedLinear)  # a subclass
+    float_linear = isinstance(module, nn.Linear) and not isinstance(module, QuantizedLinear)  # QuantizedLinear is an nn.Linear
     if float_linear and float_bits is not None:
         return quantized_here(module.weight.data, source, float_bits)
     if not isinstance(module, QuantizedLinear):
@@ -68,9 +68,7 @@ def quantized_here(weight: torch.Tensor, source: str, bits: int) -> IntLinear:
     from hyco.gemma_quant import pack
 
     ints, scale = quantize_float_weight(weight, bits)
-    linear = IntLinear(pack(ints, bits), scale, bits, weight.shape[1], source)
-    linear.origin = "hyco-convert"
-    return linear
+    return IntLinear(pack(ints, bits), scale, bits, weight.shape[1], source, origin="hyco-convert")
 
 
 def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:

@@ -80,7 +80,7 @@ class IntLinear(nn.Module):
     the exporter serializes no weight. `int_values()` unpacks (transformers' own code)."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, bits: int, in_features: int, source: str,
-                 input_scale: float = 0.0, output_scale: float = 0.0):
+                 input_scale: float = 0.0, output_scale: float = 0.0, origin: str = "checkpoint"):
         super().__init__()
         rows = packed.shape[0]
         per_byte = 8 // bits
@@ -90,7 +90,7 @@ class IntLinear(nn.Module):
         self.register_buffer("ints", torch.zeros((), dtype=torch.int8).expand(rows, in_features))
         self.register_buffer("scale", scale.to(torch.float32).reshape(-1).contiguous())  # [out]
         self.bits, self.source, self.in_features = bits, source, in_features
-        self.origin = "checkpoint"  # or "hyco-convert": a float weight quantized here (rewrites.quantized_here)
+        self.origin = origin  # "checkpoint", or "hyco-convert": a float weight quantized here (rewrites.quantized_here)
         self.input_scale, self.output_scale = float(input_scale), float(output_scale)
         if self.input_scale:
             self.register_buffer("srq_in", torch.tensor(self.input_scale, dtype=torch.float32))
