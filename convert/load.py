@@ -278,7 +278,13 @@ def load_model(ckpt: Checkpoint):
     import torch
     import transformers
 
-    from hyco.loading import block_scaled_tables, set_block_scales, tied_quantized_class
+    from hyco.loading import (
+        block_scaled_tables,
+        set_block_scales,
+        share_tied_table,
+        srq_scales_off,
+        tied_quantized_class,
+    )
 
     cls = getattr(transformers, architecture(ckpt.config))
     kwargs = {}
@@ -303,18 +309,8 @@ def load_model(ckpt: Checkpoint):
     set_block_scales(model, ckpt.tensors, blocks)
     text = model.model.language_model if ckpt.layout.name == "multimodal" else model.model
     if ckpt.tied_head:
-        embed = text.embed_tokens
-        head = model.lm_head
-        if head.weight is not embed.embedding_quantized or head.weight_scale is not embed.embedding_scale:
-            raise HycoError(f"{ckpt.folder}: tie_word_embeddings is true, but transformers did not tie lm_head to "
-                            f"{tied_embedding(ckpt)}")
-        head.num_bits = embed.num_bits  # unpack the shared table at its own width
-    # SRQ scales a file leaves out are off (0, QuantizedLinear's own default); transformers'
-    # init of missing keys would leave them at random values (seen: 2e13, all logits 0).
-    with torch.no_grad():
-        for key in sorted(info["missing_keys"]):
-            if key.endswith(("input_activation_scale", "output_activation_scale")):
-                model.get_parameter(key).zero_()
+        share_tied_table(model, ckpt.folder)
+    srq_scales_off(model, info["missing_keys"])
     return model, text, model.lm_head
 
 

@@ -329,6 +329,28 @@ def set_block_scales(model, tensors: dict[str, tuple[str, tuple[int, ...], Path]
         module.embedding_scale = torch.nn.Parameter(scale, requires_grad=False)
 
 
+def share_tied_table(model, folder: str | Path) -> None:
+    """After loading a tied quantized pair: lm_head holds embed_tokens' own table (not a copy)
+    and unpacks it at the table's width."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head.weight is not embed.embedding_quantized or head.weight_scale is not embed.embedding_scale:
+        raise HycoError(f"{folder}: tie_word_embeddings is true, but transformers did not tie lm_head to the "
+                        "quantized embed_tokens table")
+    head.num_bits = embed.num_bits
+
+
+def srq_scales_off(model, missing_keys) -> set[str]:
+    """Zero the SRQ scales a QAT file leaves out (off: the format's convention); transformers'
+    init of a missing key would leave it at a random value. Returns their names."""
+    import torch
+
+    off = {k for k in missing_keys or [] if k.endswith(("input_activation_scale", "output_activation_scale"))}
+    with torch.no_grad():
+        for k in off:
+            model.get_parameter(k).zero_()
+    return off
+
+
 def causal_lm_class(folder: str | Path):
     """The concrete class AutoModelForCausalLM would build for `folder`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -376,15 +398,7 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
         hf_logging.set_verbosity(verbosity)
         if bar:
             hf_logging.enable_progress_bar()
-    srq_off = set()
-    if not float_checkpoint:
-        # An SRQ scale the QAT file leaves out is off (0, the format's convention; convert does the
-        # same); transformers' init of a missing key would leave it at a random value.
-        srq_off = {k for k in info.get("missing_keys") or [] if k.endswith(("input_activation_scale",
-                                                                          "output_activation_scale"))}
-        with torch.no_grad():
-            for k in srq_off:
-                model.get_parameter(k).zero_()
+    srq_off = set() if float_checkpoint else srq_scales_off(model, info.get("missing_keys"))
     set_block_scales(model, tensors, blocks)
     for key in ("missing_keys", "mismatched_keys"):
         bad = sorted(k for k in info.get(key) or [] if k not in srq_off and (k if isinstance(k, str) else k[0]) not in blocks)
@@ -394,11 +408,7 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
             shapes = "" if isinstance(bad[0], str) else f": {list(bad[0][1])}, the model needs {list(bad[0][2])}"
             raise HycoError(f"{folder}: tensor {first!r} is {kind} the {what} checkpoint{shapes} ({len(bad)} such)")
     if tie == "table":
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if head.weight is not embed.embedding_quantized:
-            raise HycoError(f"{folder}: tie_word_embeddings is true, but transformers did not tie lm_head to the "
-                            "quantized embed_tokens table")
-        head.num_bits = embed.num_bits  # unpack the shared table at its own width
+        share_tied_table(model, folder)
     if upcast:
         upcast_to_float32(model)
     if check_finite:
