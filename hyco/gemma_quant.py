@@ -101,9 +101,24 @@ def quantize_rows(weight: torch.Tensor, bits: int, ratios: torch.Tensor | None =
     return ints, best_scale.float().contiguous()
 
 
+def quantize_blocks(weight: torch.Tensor, bits: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` on each of a row's `blocks` equal slices: (ints [rows, cols], scale
+    [rows, blocks]), E2B's per-layer table (one scale per layer's slice of a token's row)."""
+    rows, cols = weight.shape
+    if cols % blocks:
+        raise HycoError(f"quantize_blocks: {blocks} blocks do not tile rows of {cols}")
+    ints, scale = quantize_rows(weight.reshape(rows * blocks, cols // blocks), bits)
+    return ints.reshape(rows, cols), scale.reshape(rows, blocks)
+
+
 def dequantize(ints: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int x scale in float32, the same product transformers' loader computes."""
-    return ints.to(torch.float32) * scale.to(torch.float32)
+    """int x scale in float32, the same product transformers' loader computes; a scale of
+    [rows, blocks] applies to each of a row's `blocks` equal slices."""
+    blocks = scale.shape[-1]
+    if blocks == 1:
+        return ints.to(torch.float32) * scale.to(torch.float32)
+    rows, cols = ints.shape
+    return (ints.to(torch.float32).reshape(rows, blocks, -1) * scale.to(torch.float32)[..., None]).reshape(rows, cols)
 
 
 def bits_for_module(name: str, module_quant_configs: Mapping[str, Mapping] | None, default_bits: int) -> int:
@@ -187,14 +202,15 @@ class QatCheckpoint:
         return unpack(stored, bits, in_features), scale, bits
 
     def embedding(self, module: str, dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(ints [rows, dim] int8, embedding_scale [rows, 1] float32, bits) of a QuantizedEmbedding."""
+        """(ints [rows, dim] int8, embedding_scale [rows, blocks] float32, bits) of a
+        QuantizedEmbedding; blocks equal slices of a row share a scale (E2B's per-layer table)."""
         bits = self.bits(module)
         stored = self.tensor(f"{module}.embedding_quantized")
         self._check_storage(module + ".embedding_quantized", stored, bits, dim)
         scale = self.tensor(f"{module}.embedding_scale").float()
-        if tuple(scale.shape) != (stored.shape[0], 1):
+        if scale.ndim != 2 or scale.shape[0] != stored.shape[0] or dim % scale.shape[1]:
             raise HycoError(f"{self.folder}: tensor {module}.embedding_scale has shape {tuple(scale.shape)}, "
-                            f"expected ({stored.shape[0]}, 1) (one block per row is what transformers loads)")
+                            f"expected ({stored.shape[0]}, blocks) with blocks dividing {dim}")
         return unpack(stored, bits, dim), scale, bits
 
     def activation_scales(self, module: str) -> tuple[float, float]:

@@ -13,6 +13,7 @@ runs on the loaded parameters (one pass over memory, no second copy).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -237,6 +238,10 @@ def check_float_checkpoint(tensors: dict[str, tuple[str, tuple[int, ...], Path]]
                             f"({', '.join(sorted(FLOAT_DTYPES))})")
 
 
+QAT_SCALES = ("weight_scale", "embedding_scale", "input_activation_scale", "output_activation_scale",
+              "k_cache_scale", "v_cache_scale")
+
+
 def check_scales(tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> int:
     """QAT-format scales are finite; weight and embedding scales are positive (a zero scale zeroes
     a row, NaN poisons every logit); activation and KV-cache scales are >= 0 (0 = off). Reads only
@@ -245,7 +250,7 @@ def check_scales(tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> int:
 
     by_file: dict[Path, list[str]] = {}
     for name, (_, _, path) in tensors.items():
-        if name.endswith("_scale"):
+        if name.endswith(QAT_SCALES):  # not a model's own float parameters (per_dim_scale, router.scale)
             by_file.setdefault(path, []).append(name)
     for path, names in sorted(by_file.items()):
         with open_safetensors(path) as f:
@@ -351,6 +356,44 @@ def srq_scales_off(model, missing_keys) -> set[str]:
     return off
 
 
+TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def tower_tensors(tensors: dict[str, tuple[str, tuple[int, ...], Path]]) -> dict[str, Any]:
+    """The multimodal wrapper's vision and audio tensors, from the headers alone: what a
+    text-only load leaves on disk (count and bytes, by tower)."""
+    towers: dict[str, dict[str, int]] = {}
+    for name, (dtype, shape, _) in tensors.items():
+        prefix = next((p for p in TOWER_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            row = towers.setdefault(prefix.rstrip("."), {"tensors": 0, "bytes": 0})
+            row["tensors"] += 1
+            row["bytes"] += math.prod(shape) * DTYPE_BYTES[dtype]
+    return {"tensors": sum(r["tensors"] for r in towers.values()), "bytes": sum(r["bytes"] for r in towers.values()),
+            "by_tower": dict(sorted(towers.items()))}
+
+
+def text_only_config(folder: str | Path, what: str = "model"):
+    """The folder's config with the vision and audio towers switched off (None), so
+    `from_pretrained(folder, config=...)` builds the wrapper around the text model alone and never
+    reads the towers' tensors (they are unexpected keys, which transformers does not materialize).
+    The text model keeps its names (`model.language_model.*`), so the file's quantization
+    patterns match as written. None for a config without towers."""
+    config = load_config(folder, what)
+    if getattr(config, "vision_config", None) is None and getattr(config, "audio_config", None) is None:
+        return None
+    config.vision_config = None
+    config.audio_config = None
+    return config
+
+
+def untie(config) -> None:
+    """The file's own lm_head instead of the tie (wrapper and text config alike): the tie would
+    reach for embed_tokens.weight, which a QuantizedEmbedding does not have."""
+    config.tie_word_embeddings = False
+    config.get_text_config().tie_word_embeddings = False
+
+
 def causal_lm_class(folder: str | Path):
     """The concrete class AutoModelForCausalLM would build for `folder`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -358,11 +401,30 @@ def causal_lm_class(folder: str | Path):
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(folder))]
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers reports a missing or misshapen tensor as a multi-line warning table and goes on
+    with random weights; our loaders refuse such tensors in one line, so its bar and report stay
+    quiet while loading."""
+    from transformers.utils import logging as hf_logging
+
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
 def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint: bool = True,
                     check_finite: bool = True, **kwargs):
     """`cls.from_pretrained(folder, **kwargs)` (default AutoModelForCausalLM) on a checked local
     folder. Refuses what transformers would only warn about: a tensor missing from the
-    checkpoint (it would be left at random init), one of the wrong shape, NaN or Inf weights."""
+    checkpoint (it would be left at random init), one of the wrong shape, NaN or Inf weights.
+    A multimodal checkpoint is loaded text-only (`text_only_config`): its towers stay on disk."""
     import torch
 
     if cls is None:
@@ -373,31 +435,24 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
         check_float_checkpoint(tensors, what)
     tie = quantized_tie(read_json(folder / "config.json", f"{what} config.json"), tensors)
     blocks = block_scaled_tables(tensors)
+    if "config" not in kwargs and (text_only := text_only_config(folder, what)) is not None:
+        kwargs = {**kwargs, "config": text_only}
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(TOWER_PREFIXES)}
     if tie == "stored":
-        kwargs = {"tie_word_embeddings": False, **kwargs}
+        untie(kwargs.setdefault("config", load_config(folder, what)))
     elif tie == "table":
         cls = tied_quantized_class(causal_lm_class(folder) if cls.__name__.startswith("Auto") else cls)
-    from transformers.utils import logging as hf_logging
-
-    # transformers reports a missing or misshapen tensor as a multi-line warning table and goes on
-    # with random weights; here it is refused below in one line, so its bar and report stay quiet.
-    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     narrow = _narrow_float_dtype(tensors)
     upcast = kwargs.get("dtype") is torch.float32 and narrow is not None
     if upcast:
         kwargs = {**kwargs, "dtype": narrow}
     try:
         # ignore_mismatched_sizes: hand back the misshapen tensors by name; refused just below
-        model, info = cls.from_pretrained(str(folder), output_loading_info=True,
-                                          **{"ignore_mismatched_sizes": True, **kwargs})
+        with quiet_transformers():
+            model, info = cls.from_pretrained(str(folder), output_loading_info=True,
+                                              **{"ignore_mismatched_sizes": True, **kwargs})
     except _library_errors() as e:
         raise HycoError(f"{folder}: cannot load the {what} ({one_line(e)})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bar:
-            hf_logging.enable_progress_bar()
     srq_off = set() if float_checkpoint else srq_scales_off(model, info.get("missing_keys"))
     set_block_scales(model, tensors, blocks)
     for key in ("missing_keys", "mismatched_keys"):

@@ -52,7 +52,8 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class FixturesConfig:
-    preset: Literal["tiny", "e2b-shapes"] = "tiny"
+    # tiny: laid out as Google publishes Gemma 4; tiny-text: the project's earlier text-only layout
+    preset: Literal["tiny", "tiny-text", "e2b-shapes"] = "tiny"
     seed: int = 0
     distill: bool = False  # short CPU distillation so drafters agree with the verifier
     # Draw the family afresh even where the package ships this draw (hyco/fixtures/shipped.py):

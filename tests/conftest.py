@@ -20,6 +20,16 @@ def tiny_family():
 
 
 @pytest.fixture(scope="session")
+def tiny_text_family():
+    """The tiny family in the project's earlier text-only layout (preset tiny-text: Gemma4ForCausalLM,
+    sharded, untied 8-bit lm_head, [vocab, 1] scales, dense verifier), kept readable beside the
+    published one."""
+    from hyco.fixtures.cache import cached_family
+
+    return cached_family("tiny-text", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_family_distilled():
     """The tiny family after the default short CPU distillation (hyco/fixtures/distill.py): the
     drafters agree with the verifier on real text (figures in <family>/distill_report.json).

@@ -145,14 +145,14 @@ def _assert_refused(capsys, rc: int, out: Path, *names: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def vocab_dir(tiny_family, tmp_path_factory) -> Path:
+def vocab_dir(tiny_text_family, tmp_path_factory) -> Path:
     """A valid vocab stage folder on the tiny tokenizer (small counts: seconds)."""
     from hyco.vocab.stage import build_vocab
 
     from hyco.recipe import DatasetConfig, VocabConfig
 
     out = tmp_path_factory.mktemp("vocab")
-    build_vocab(tokenizer=tiny_family["tokenizer"], dataset=DatasetConfig(schema="sharegpt"),
+    build_vocab(tokenizer=tiny_text_family["tokenizer"], dataset=DatasetConfig(schema="sharegpt"),
                 config=VocabConfig(size=1345, count_conversations=100, reserved_train=2, reserved_eval=2,
                                    heldout_conversations=10), out=out)
     return out
@@ -195,8 +195,8 @@ def _slm_case(case: str, slm: Path, tmp: Path) -> tuple[list[str], tuple[str, ..
 
 @pytest.mark.parametrize("case", ["truncated", "empty", "header", "header-length", "dtype", "nan-scale",
                                   "zero-scale", "config"])
-def test_convert_refuses_a_bad_checkpoint(case, tiny_family, tmp_path, capsys):
-    slm = Path(shutil.copytree(tiny_family["slm"], tmp_path / "slm"))
+def test_convert_refuses_a_bad_checkpoint(case, tiny_text_family, tmp_path, capsys):
+    slm = Path(shutil.copytree(tiny_text_family["slm"], tmp_path / "slm"))
     extra, names = _slm_case(case, slm, tmp_path)
     out = tmp_path / "out" / "convert"
     rc = main(["convert", "--checkpoint", str(slm), "--out", str(out), "--no-parity", "--rows", "4",
@@ -204,13 +204,13 @@ def test_convert_refuses_a_bad_checkpoint(case, tiny_family, tmp_path, capsys):
     _assert_refused(capsys, rc, out, *names)
 
 
-def test_convert_refuses_a_keep_set_of_another_family(tiny_family, vocab_dir, tmp_path, capsys):
+def test_convert_refuses_a_keep_set_of_another_family(tiny_text_family, vocab_dir, tmp_path, capsys):
     vocab = Path(shutil.copytree(vocab_dir, tmp_path / "vocab"))
     meta = json.loads((vocab / "keep_set.json").read_text())
     meta["tokenizer"] = "0" * 64  # what a keep set built on another tokenizer carries
     (vocab / "keep_set.json").write_text(json.dumps(meta))
     out = tmp_path / "out" / "convert"
-    rc = main(["convert", "--checkpoint", str(tiny_family["slm"]), "--keep-set", str(vocab), "--out", str(out),
+    rc = main(["convert", "--checkpoint", str(tiny_text_family["slm"]), "--keep-set", str(vocab), "--out", str(out),
                "--no-parity", "--rows", "4", "--prefill-chunk", "4", "--ring-full", "16", "--ring-sliding", "8"])
     _assert_refused(capsys, rc, out, str(vocab / "keep_set.json"), "another tokenizer")
 
@@ -260,8 +260,8 @@ def _qat_case(case: str, fam: dict[str, Path], vocab: Path, tmp: Path) -> tuple[
 
 @pytest.mark.parametrize("case", ["truncated", "header", "nan", "dtype", "shape", "missing", "tokenizer",
                                   "tokenizer-json", "prompts", "npy"])
-def test_qat_refuses_bad_input(case, tiny_family, vocab_dir, tmp_path, capsys):
-    fam = _copy_family({k: tiny_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
+def test_qat_refuses_bad_input(case, tiny_text_family, vocab_dir, tmp_path, capsys):
+    fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
     vocab = Path(shutil.copytree(vocab_dir, tmp_path / "vocab"))
     names = _qat_case(case, fam, vocab, tmp_path)
     out = tmp_path / "out" / "qat"
@@ -271,9 +271,9 @@ def test_qat_refuses_bad_input(case, tiny_family, vocab_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow  # by its measured duration (pytest --durations)
-def test_qat_truncated_shard_in_a_fresh_process(tiny_family, vocab_dir, tmp_path):
+def test_qat_truncated_shard_in_a_fresh_process(tiny_text_family, vocab_dir, tmp_path):
     """The reported bug, end to end: the real stderr of the console script, not a captured one."""
-    fam = _copy_family({k: tiny_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
+    fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
     _cut(fam["verifier"] / SHARD_VERIFIER)
     out = tmp_path / "out" / "qat"
     done = subprocess.run([sys.executable, "-m", "hyco.cli", "qat", "--verifier", str(fam["verifier"]),
@@ -290,8 +290,8 @@ def test_qat_truncated_shard_in_a_fresh_process(tiny_family, vocab_dir, tmp_path
 
 
 @pytest.mark.parametrize("case", ["truncated", "empty", "slm-scale"])
-def test_check_refuses_bad_input(case, tiny_family, tmp_path, capsys):
-    fam = _copy_family(tiny_family, tmp_path)
+def test_check_refuses_bad_input(case, tiny_text_family, tmp_path, capsys):
+    fam = _copy_family(tiny_text_family, tmp_path)
     if case == "truncated":
         _cut(fam["verifier"] / SHARD_VERIFIER)
         names = (str(fam["verifier"] / SHARD_VERIFIER), "truncated")
@@ -323,8 +323,8 @@ def _conversations(n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", ["no-record", "empty", "tokenizer"])
-def test_vocab_refuses_bad_input(case, tiny_family, tmp_path, capsys):
-    tokenizer = Path(shutil.copytree(tiny_family["tokenizer"], tmp_path / "tok"))
+def test_vocab_refuses_bad_input(case, tiny_text_family, tmp_path, capsys):
+    tokenizer = Path(shutil.copytree(tiny_text_family["tokenizer"], tmp_path / "tok"))
     dataset = tmp_path / "data.json"
     text = json.dumps(_conversations(5))
     dataset.write_text(text)
@@ -344,12 +344,12 @@ def test_vocab_refuses_bad_input(case, tiny_family, tmp_path, capsys):
     _assert_refused(capsys, rc, out, *names)
 
 
-def test_dataset_cut_mid_record_warns_and_reads_up_to_it(tiny_family, tmp_path, capsys):
+def test_dataset_cut_mid_record_warns_and_reads_up_to_it(tiny_text_family, tmp_path, capsys):
     dataset = tmp_path / "data.json"
     text = json.dumps(_conversations(30))
     dataset.write_text(text[: text.index('"id": "c20"') + 8])
     out = tmp_path / "out" / "vocab"
-    rc = main(["vocab", "--tokenizer", str(tiny_family["tokenizer"]), "--dataset", str(dataset), "--size", "1345",
+    rc = main(["vocab", "--tokenizer", str(tiny_text_family["tokenizer"]), "--dataset", str(dataset), "--size", "1345",
                "--out", str(out), "--reserved-train", "0", "--reserved-eval", "0", "--heldout-conversations", "0"])
     err = capsys.readouterr().err
     assert rc == 0, err
@@ -379,8 +379,8 @@ def test_bad_recipe_is_refused_before_any_work(body, names, tmp_path, capsys):
     _assert_refused(capsys, rc, tmp_path / "out" / "run", str(recipe), *names)
 
 
-def test_run_leaves_no_out_folder_when_its_first_stage_refuses_input(tiny_family, tmp_path, capsys):
-    slm = Path(shutil.copytree(tiny_family["slm"], tmp_path / "slm"))
+def test_run_leaves_no_out_folder_when_its_first_stage_refuses_input(tiny_text_family, tmp_path, capsys):
+    slm = Path(shutil.copytree(tiny_text_family["slm"], tmp_path / "slm"))
     shard = slm / _shard_of(slm, f"{O_PROJ}.weight_scale")
     _cut(shard)
     recipe = tmp_path / "r.yaml"
@@ -416,8 +416,8 @@ def test_loading_scale_checks_name_the_tensor(tmp_path):
         check_scales(checkpoint_files(folder))
 
 
-def test_run_checks_a_later_stages_checkpoint_before_the_first_stage(tiny_family, tmp_path, capsys):
-    fam = _copy_family({k: tiny_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
+def test_run_checks_a_later_stages_checkpoint_before_the_first_stage(tiny_text_family, tmp_path, capsys):
+    fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
     _cut(fam["verifier"] / SHARD_VERIFIER)
     recipe = tmp_path / "r.yaml"
     models = "\n".join(f"  {k}: {v}" for k, v in fam.items())

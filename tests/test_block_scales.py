@@ -65,8 +65,8 @@ def float_table_twin(block, dst):
 
 
 @pytest.fixture(scope="module")
-def block(tiny_family, tmp_path_factory):
-    return block_scaled_copy(tiny_family["slm"], tmp_path_factory.mktemp("block") / "slm")
+def block(tiny_text_family, tmp_path_factory):
+    return block_scaled_copy(tiny_text_family["slm"], tmp_path_factory.mktemp("block") / "slm")
 
 
 def _convert_model(folder):

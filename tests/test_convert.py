@@ -56,7 +56,8 @@ def converted(tiny_family, tmp_path_factory):
     config = ConvertConfig(rows=33, prefill_chunk=16, ring_full=128, ring_sliding=64, topk=8, parity_ring_full=32)
     summary = convert(checkpoint=tiny_family["slm"], out=out, config=config, keep_set=keep,
                       tokenizer=tiny_family["tokenizer"])
-    return {"out": out, "summary": summary, "keep": np.asarray(sorted(ids)), "config": config}
+    return {"out": out, "summary": summary, "keep": np.asarray(sorted(ids)), "config": config,
+            "checkpoint": tiny_family["slm"]}
 
 
 def test_outputs_written(converted):
@@ -82,7 +83,7 @@ def test_bitexact_all_true_with_every_bit_width(converted):
     assert rows["lm_head"]["shape"][0] == KEEP_SIZE
     enc = json.loads((converted["out"] / "encodings.json").read_text())
     assert any(e["srq_input_scale"] > 0 for e in enc["weights"].values())
-    assert len(enc["kv_cache_scales"]) == 8  # k and v of the 4 KV-owning layers
+    assert len(enc["kv_cache_scales"]) == 14  # k and v of all 7 layers (published: the shared ones too)
 
 
 def test_prefill_weights_proven_byte_for_byte_against_tree(converted, tmp_path):
@@ -281,7 +282,8 @@ def test_luts_bit_exact_to_transformers(converted, tiny_family):
         per_layer = text.embed_tokens_per_layer(torch.from_numpy(ids)).numpy()
     lut = host.EmbeddingLut.open(converted["out"] / "luts/embed_tokens.safetensors")
     ple = host.EmbeddingLut.open(converted["out"] / "luts/embed_tokens_per_layer.safetensors")
-    assert (lut.bits, ple.bits) == (8, 4)
+    assert (lut.bits, ple.bits) == (2, 4)  # the published bit map
+    assert lut.scale.shape == (4096, 1) and ple.scale.shape == (4096, 7)  # one scale per layer's block
     assert np.array_equal(lut.lookup(ids).view(np.uint32), tokens.view(np.uint32))
     assert np.array_equal(ple.lookup(ids).view(np.uint32), per_layer.view(np.uint32))
 
@@ -495,11 +497,13 @@ def to_multimodal(config: dict) -> dict:
     return mm
 
 
-def test_multimodal_layout_gives_the_same_graph(converted, tiny_family, tmp_path):
+def test_multimodal_layout_gives_the_same_graph(tiny_text_family, tmp_path):
+    """A text-only checkpoint moved into the multimodal wrapper (names under model.language_model.,
+    a tower tensor, an unused k_proj) converts to the same graph."""
     from hyco.convert.export_onnx import ort_session
     from hyco.convert.stage import convert
 
-    src = tiny_family["slm"]
+    src = tiny_text_family["slm"]
     extra = {"model.language_model.layers.5.self_attn.k_proj.weight": torch.zeros(16, 32, dtype=torch.int8),
              "model.vision_tower.patch_embedder.weight": torch.zeros(4, 4)}
     mm = copy_checkpoint(src, tmp_path / "mm", rename=lambda k: k.replace("model.", "model.language_model.", 1),
@@ -509,17 +513,19 @@ def test_multimodal_layout_gives_the_same_graph(converted, tiny_family, tmp_path
     config = ConvertConfig(rows=33, prefill_chunk=16, ring_full=128, ring_sliding=64, topk=8, parity=False,
                            use_keep_set=False, topk_slice=1000)
     convert(checkpoint=mm, out=out, config=config)
+    convert(checkpoint=src, out=tmp_path / "text", config=config)
     report = json.loads((out / "report.json").read_text())
     assert report["layout"] == "multimodal" and report["bitexact_all_equal"]
-    assert report["load"]["extra"] == ["model.language_model.layers.5.self_attn.k_proj.weight"]
+    assert report["load"]["extra"] == []
+    assert report["load"]["unused_shared_kv"] == ["model.language_model.layers.5.self_attn.k_proj.weight"]
     assert report["load"]["ignored_towers"] == 1
-    # Same feeds through the text-only conversion's graph (keep-set columns) and this one
+    # Same feeds through the text-only conversion's graph and this one
     rng = np.random.default_rng(1)
     feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
              for i in onnx.load(str(out / "tree.onnx"), load_external_data=False).graph.input}
     a, logprobs, indices = ort_session(out / "tree.onnx").run(["logits", "topk_logprobs", "topk_indices"], feeds)
-    b = ort_session(converted["out"] / "tree.onnx").run(["logits"], feeds)[0]
-    np.testing.assert_array_equal(a[:, converted["keep"]], b)
+    b = ort_session(tmp_path / "text" / "tree.onnx").run(["logits"], feeds)[0]
+    np.testing.assert_array_equal(a, b)
     graph_ops = [n.op_type for n in onnx.load(str(out / "tree.onnx"), load_external_data=False).graph.node]
     assert graph_ops.count("TopK") == 5 + 1  # 5 slices of <= 1000, then one over the 40 candidates
     # sliced top-k = the exact top-k of the log-softmax over the whole row
@@ -547,8 +553,8 @@ def _quant_edit(**changes):
     ("misshapen", "misshapen tensor model.layers.0.self_attn.q_proj.weight"),
     ("truncated", "truncated"),
 ])
-def test_bad_checkpoint_exits_2_without_output(case, expect, tiny_family, tmp_path, capsys):
-    src = tiny_family["slm"]
+def test_bad_checkpoint_exits_2_without_output(case, expect, tiny_text_family, tmp_path, capsys):
+    src = tiny_text_family["slm"]
     if case == "quant_method":
         ck = copy_checkpoint(src, tmp_path / "ck", config_edit=_quant_edit(quant_method="awq"))
     elif case == "bits":
@@ -570,7 +576,7 @@ def test_bad_checkpoint_exits_2_without_output(case, expect, tiny_family, tmp_pa
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_architectures_null_loads_from_model_type(tiny_family, tmp_path):
+def test_architectures_null_loads_from_model_type(tiny_text_family, tmp_path):
     """transformers loads a config whose "architectures" is null (from model_type); so does convert."""
     from hyco.convert.stage import convert
 
@@ -578,7 +584,7 @@ def test_architectures_null_loads_from_model_type(tiny_family, tmp_path):
         assert config["model_type"] == "gemma4_text"
         return config | {"architectures": None}
 
-    ck = copy_checkpoint(tiny_family["slm"], tmp_path / "ck", config_edit=no_architectures)
+    ck = copy_checkpoint(tiny_text_family["slm"], tmp_path / "ck", config_edit=no_architectures)
     config = ConvertConfig(rows=4, prefill_chunk=4, ring_full=16, ring_sliding=8, topk=4, parity=False,
                            use_keep_set=False)
     convert(checkpoint=ck, out=tmp_path / "out", config=config)
@@ -622,7 +628,7 @@ def test_parity_exact_without_srq_rounding(tiny_family, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
-def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monkeypatch):
+def test_export_holds_no_second_copy_of_the_weights(tiny_text_family, tmp_path, monkeypatch):
     """Large models: while the graphs are traced and written, the module's PACKED ints (the
     checkpoint's own storage tensors, no int8 copy) are the only full copy of the weights
     (bench/bench_convert.py measures the peak, tests/test_convert_memory.py bounds it):
@@ -636,7 +642,7 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_family, tmp_path, monke
     from onnx import numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor
 
-    ckpt = read_checkpoint(tiny_family["slm"])
+    ckpt = read_checkpoint(tiny_text_family["slm"])
     model, text, lm_head = load_model(ckpt)
     static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=None,
                                 ring_full=32, ring_sliding=16, topk=4, mask_negative=-50.0)
@@ -824,3 +830,20 @@ def test_late_dequant_never_makes_a_weight_wait_for_its_own_descendant():
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
     assert late_weight_dequant(model) == 0
     onnx.checker.check_model(model)
+
+
+def test_convert_reports_what_the_published_file_holds(converted):
+    """The parity-on conversion of tests/test_convert.py runs on the published family: the text
+    model alone was loaded, and the report names the towers left on disk (bytes from the headers),
+    the KV-shared layers' unused k/v and the float projection quantized here."""
+    from hyco.loading import checkpoint_files, tower_tensors
+
+    text = "model.language_model."
+    report = json.loads((converted["out"] / "report.json").read_text())
+    load = report["load"]
+    assert report["layout"] == "multimodal" and report["bitexact_all_equal"]
+    assert load["towers_left_on_disk"] == tower_tensors(checkpoint_files(converted["checkpoint"]))
+    assert load["towers_left_on_disk"]["bytes"] > 0 and not load["extra"]
+    assert len(load["unused_shared_kv"]) == 3 * 2 * 4  # 3 shared layers x k/v x (ints, scale, 2 SRQ)
+    assert list(report["quantized_here"]) == [text + "per_layer_model_projection"]
+    assert "Towers left on disk" in (converted["out"] / "summary.md").read_text()

@@ -12,10 +12,10 @@ import torch
 from hyco.errors import HycoError
 from hyco.fixtures import models
 from hyco.fixtures.presets import PRESETS, get_preset
-from hyco.fixtures.tokenizer import BYTE_TOKENS, SPECIAL_TOKENS
+from hyco.fixtures.tokenizer import BYTE_TOKENS, SPECIAL_TOKENS, token_layout
 from hyco.gemma_quant import QatCheckpoint, quantize_rows
 
-TINY = PRESETS["tiny"]
+TINY = PRESETS["tiny-text"]
 
 
 def load(path: Path):
@@ -25,20 +25,20 @@ def load(path: Path):
 
 
 @pytest.fixture(scope="module")
-def slm(tiny_family):
-    return load(tiny_family["slm"])
+def slm(tiny_text_family):
+    return load(tiny_text_family["slm"])
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(tiny_family):
+def prompt_ids(tiny_text_family):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_family["verifier"]))
+    tok = AutoTokenizer.from_pretrained(str(tiny_text_family["verifier"]))
     messages = [{"role": "user", "content": "Write a short poem about the sea, then explain it."}]
     return tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 
 
-def test_slm_takes_the_gemma_quantizer_path(slm, tiny_family):
+def test_slm_takes_the_gemma_quantizer_path(slm, tiny_text_family):
     from transformers.integrations.gemma_quant import QuantizedEmbedding, QuantizedLinear
     from transformers.quantizers.quantizer_gemma import GemmaQuantizer
 
@@ -55,8 +55,8 @@ def test_slm_takes_the_gemma_quantizer_path(slm, tiny_family):
     assert linears["model.layers.0.self_attn.k_proj"].num_bits == 8
 
 
-def test_slm_structure_is_e2b_scaled_down(tiny_family):
-    config = json.loads((tiny_family["slm"] / "config.json").read_text())
+def test_slm_structure_is_e2b_scaled_down(tiny_text_family):
+    config = json.loads((tiny_text_family["slm"] / "config.json").read_text())
     types = config["layer_types"]
     assert types[-1] == "full_attention" and types.count("full_attention") >= 2
     assert config["num_kv_shared_layers"] == TINY.slm.num_kv_shared_layers
@@ -66,19 +66,19 @@ def test_slm_structure_is_e2b_scaled_down(tiny_family):
     assert config["rope_parameters"]["full_attention"]["rope_type"] == "proportional"
     assert config["quantization_config"]["quantize_embeddings"] is True
     assert list(config["quantization_config"]["module_quant_configs"])[:2] == ["embed_tokens_per_layer", "embed_tokens"]
-    index = json.loads((tiny_family["slm"] / "model.safetensors.index.json").read_text())
+    index = json.loads((tiny_text_family["slm"] / "model.safetensors.index.json").read_text())
     shards = {f for f in index["weight_map"].values()}
     assert len(shards) == 1 + TINY.slm.num_layers  # streamed: globals, then one shard per layer
     for i in range(TINY.slm.num_layers):
         assert len({f for k, f in index["weight_map"].items() if k.startswith(f"model.layers.{i}.")}) == 1
 
 
-def test_dequantized_weights_equal_int_times_scale(slm, tiny_family):
+def test_dequantized_weights_equal_int_times_scale(slm, tiny_text_family):
     """Loader's dequantized weights == our unpacked ints x scales, bit-exact, and the ints are
     the generator's own quantization of its float weights."""
     from transformers.integrations.gemma_quant import QuantizedEmbedding, QuantizedLinear
 
-    ckpt = QatCheckpoint(tiny_family["slm"])
+    ckpt = QatCheckpoint(tiny_text_family["slm"])
     source = models.random_source(0, "slm")
     checked = 0
     for name, module in slm.named_modules():
@@ -97,14 +97,14 @@ def test_dequantized_weights_equal_int_times_scale(slm, tiny_family):
     assert checked > 30
 
 
-def _reference_slm(tiny_family, srq: bool):
+def _reference_slm(tiny_text_family, srq: bool):
     """transformers' float Gemma 4 with the checkpoint's dequantized weights, SRQ done by hooks."""
     from transformers import AutoConfig, Gemma4ForCausalLM
 
-    config = AutoConfig.from_pretrained(str(tiny_family["slm"]))
+    config = AutoConfig.from_pretrained(str(tiny_text_family["slm"]))
     del config.quantization_config
     model = Gemma4ForCausalLM(config).eval()
-    ckpt = QatCheckpoint(tiny_family["slm"])
+    ckpt = QatCheckpoint(tiny_text_family["slm"])
     state = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
@@ -129,7 +129,7 @@ def _round(x, scale):
     return torch.clamp(torch.round(x / scale), -128, 127) * scale
 
 
-def test_slm_forward_matches_float_reference(slm, tiny_family, prompt_ids):
+def test_slm_forward_matches_float_reference(slm, tiny_text_family, prompt_ids):
     """Same weights and SRQ in transformers' float model: the same float ops, so the logits agree
     to float32 summation noise (bound 1e-4 on logits of magnitude ~5; 0.0 measured). Without SRQ
     they move by the 8-bit rounding only: measured 4-7% relative and 83-92% argmax agreement on
@@ -137,8 +137,8 @@ def test_slm_forward_matches_float_reference(slm, tiny_family, prompt_ids):
     (10%, 70%) catch scales that would scramble the signal (0.27 / 50% with SRQ on down_proj inputs)."""
     with torch.no_grad():
         got = slm(**prompt_ids).logits
-        ref = _reference_slm(tiny_family, srq=True)(**prompt_ids).logits
-        plain = _reference_slm(tiny_family, srq=False)(**prompt_ids).logits
+        ref = _reference_slm(tiny_text_family, srq=True)(**prompt_ids).logits
+        plain = _reference_slm(tiny_text_family, srq=False)(**prompt_ids).logits
     assert (got - ref).abs().max() < 1e-4
     assert not torch.equal(got, plain)  # SRQ is really active
     agree = (got.argmax(-1) == plain.argmax(-1)).float().mean()
@@ -146,8 +146,8 @@ def test_slm_forward_matches_float_reference(slm, tiny_family, prompt_ids):
     assert agree >= 0.7 and rel < 0.1, (agree, rel)
 
 
-def test_srq_and_kv_cache_scales(tiny_family):
-    ckpt = QatCheckpoint(tiny_family["slm"])
+def test_srq_and_kv_cache_scales(tiny_text_family):
+    ckpt = QatCheckpoint(tiny_text_family["slm"])
     on = [n for n in ckpt.weight_map if n.endswith("activation_scale") and float(ckpt.tensor(n)) > 0]
     off = [n for n in ckpt.weight_map if n.endswith("activation_scale") and float(ckpt.tensor(n)) == 0]
     assert on and off
@@ -161,10 +161,10 @@ def test_srq_and_kv_cache_scales(tiny_family):
                 assert float(ckpt.tensor(name)) > 0
 
 
-def test_tokenizer_layout_and_roundtrip(tiny_family):
+def test_tokenizer_layout_and_roundtrip(tiny_text_family):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    tok = AutoTokenizer.from_pretrained(str(tiny_text_family["tokenizer"]))
     assert len(tok) == TINY.tokenizer.vocab_size
     ids = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS) + list(BYTE_TOKENS))
     assert ids == list(range(len(SPECIAL_TOKENS) + len(BYTE_TOKENS)))
@@ -178,11 +178,11 @@ def test_tokenizer_layout_and_roundtrip(tiny_family):
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<bos><|turn>user\nhi<turn|>\n<|turn>model\n"
     for name in ("slm", "verifier", "assistant"):
-        assert (tiny_family[name] / "tokenizer.json").read_bytes() == (tiny_family["tokenizer"] / "tokenizer.json").read_bytes()
+        assert (tiny_text_family[name] / "tokenizer.json").read_bytes() == (tiny_text_family["tokenizer"] / "tokenizer.json").read_bytes()
 
 
-def test_assistant_fits_verifier_and_generate_runs(tiny_family, prompt_ids):
-    verifier, assistant = load(tiny_family["verifier"]), load(tiny_family["assistant"])
+def test_assistant_fits_verifier_and_generate_runs(tiny_text_family, prompt_ids):
+    verifier, assistant = load(tiny_text_family["verifier"]), load(tiny_text_family["assistant"])
     assert type(assistant).__name__ == "Gemma4AssistantForCausalLM"
     assert assistant.config.backbone_hidden_size == verifier.config.hidden_size
     assert assistant.config.get_text_config().layer_types == ["sliding_attention"] * 3 + ["full_attention"]
@@ -201,14 +201,14 @@ def test_assistant_fits_verifier_and_generate_runs(tiny_family, prompt_ids):
     assert torch.equal(greedy, assisted)  # greedy assisted decoding is lossless
 
 
-def test_verifier_is_bf16_float_model(tiny_family):
+def test_verifier_is_bf16_float_model(tiny_text_family):
     from safetensors import safe_open
 
-    index = json.loads((tiny_family["verifier"] / "model.safetensors.index.json").read_text())
-    config = json.loads((tiny_family["verifier"] / "config.json").read_text())
+    index = json.loads((tiny_text_family["verifier"] / "model.safetensors.index.json").read_text())
+    config = json.loads((tiny_text_family["verifier"] / "config.json").read_text())
     assert "quantization_config" not in config and config["hidden_size"] != TINY.slm.hidden
     for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(tiny_family["verifier"] / shard, "pt") as f:
+        with safe_open(tiny_text_family["verifier"] / shard, "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
 
@@ -230,8 +230,10 @@ def test_cli_writes_the_same_bytes_for_the_same_seed(tiny_family, tmp_path, caps
     assert {"manifest.json", "report.json", "summary.md", "slm_bits.png"} <= set(written) - set(cached)
     report = json.loads((tmp_path / "fx" / "report.json").read_text())
     assert set(report["slm"]["params_by_bits"]) == {"2", "4", "8"}
-    assert report["slm"]["srq_scales_on"] > 0 and report["slm"]["kv_cache_scales"] == 8
-    assert report["verifier"]["shards"] == 1 + TINY.verifier.num_layers
+    published = PRESETS["tiny"]  # the CLI's default preset
+    assert report["slm"]["srq_scales_on"] > 0 and report["slm"]["kv_cache_scales"] == 2 * published.slm.num_layers
+    assert report["verifier"]["shards"] == 1 and report["slm"]["towers"]["bytes"] > 0
+    assert report["slm"]["tie_word_embeddings"] and report["slm"]["lm_head_stored"]
     other = models.random_source(1, "slm")("model.layers.0.mlp.up_proj.weight", torch.Size([4, 4]))
     assert not torch.equal(other, models.random_source(0, "slm")("model.layers.0.mlp.up_proj.weight", torch.Size([4, 4])))
 
@@ -251,12 +253,12 @@ def test_cli_bad_input_exits_2_without_artifact(tmp_path, capsys, argv, message)
 
 def test_presets_table():
     assert get_preset("e2b-shapes").full_size and not get_preset("tiny").full_size
-    with pytest.raises(HycoError, match="known: tiny, e2b-shapes"):
+    with pytest.raises(HycoError, match="known: tiny, tiny-text, e2b-shapes"):
         get_preset("huge")
     e2b = PRESETS["e2b-shapes"].slm
     assert (e2b.hidden, e2b.num_layers, e2b.num_kv_shared_layers, e2b.global_head_dim) == (1536, 35, 20, 512)
     # The declared E2B shapes resolve to a real config whose module tree builds for free on meta.
-    config = models.slm_config(e2b, PRESETS["e2b-shapes"].tokenizer.vocab_size)
+    config = models.slm_config(e2b, PRESETS["e2b-shapes"].tokenizer.vocab_size, token_layout("packed"))
     names = models.stored_names(models.meta_model(config))
     assert names["model.embed_tokens_per_layer.weight"] == (262_144, 35 * 256)
     assert config.layer_types[4] == "full_attention" and config.layer_types[-1] == "full_attention"
@@ -265,14 +267,14 @@ def test_presets_table():
 # --- distillation ---------------------------------------------------------------------------
 
 
-def test_parallel_head_training_step_matches_transformers_drafting_call(tiny_family):
+def test_parallel_head_training_step_matches_transformers_drafting_call(tiny_text_family):
     """The distiller runs the head on all positions at once with explicit masks; each position
     must equal transformers' own one-query call as candidate_generator.py makes it (query at
     t+1, input cat(e(x_{t+1}), h_t), verifier K/V of positions 0..t), for both unrolled steps.
     Same weights and ops, only the mask layout differs: 1e-5 covers float32 reassociation."""
     from hyco.fixtures.distill import head_logits, verifier_pass
 
-    verifier, head = load(tiny_family["verifier"]), load(tiny_family["assistant"])
+    verifier, head = load(tiny_text_family["verifier"]), load(tiny_text_family["assistant"])
     window = verifier.config.sliding_window
     torch.manual_seed(0)
     ids = torch.randint(0, TINY.tokenizer.vocab_size, (1, 20))  # shorter than the sliding window
@@ -328,7 +330,7 @@ def test_sharpen_keeps_the_first_scale_at_target_else_the_lowest_count(
     from hyco.fixtures.distill import sharpen
 
     verifier, seen = _stub_sharpness(monkeypatch, counts, shares)
-    report = sharpen(verifier, [[1, 2]], 8, target, (1.5, 2.0, 2.5, 3.0), seed=0, max_top_share=0.5)
+    report = sharpen(verifier, [[1, 2]], 8, target, (1.5, 2.0, 2.5, 3.0), seed=0, ends={1}, max_top_share=0.5)
     assert seen == walked and report["scale"] == chosen
     assert report["reached"] == (counts[chosen] <= target)
     assert torch.equal(verifier.model.norm.weight, torch.full((4,), chosen))  # the kept scale, applied once
@@ -397,7 +399,7 @@ def test_evaluation_partition_keys_on_the_conversation_group():
 
 
 @pytest.mark.slow
-def test_distillation_never_reads_the_evaluation_prompts(tiny_family, tmp_path):
+def test_distillation_never_reads_the_evaluation_prompts(tiny_text_family, tmp_path):
     """The evaluation prompts of qat and check are vocab's reserved eval conversations; the
     fixtures' distillation (tokenizer text, verifier corpus, drafter prompts, its own held-out
     text) reads none of them and no conversation that opens with the same prompt. Without the
@@ -424,7 +426,7 @@ def test_distillation_never_reads_the_evaluation_prompts(tiny_family, tmp_path):
     recipe = load_recipe("recipes/tiny.yaml")
     out = tmp_path / "vocab"
     out.mkdir()
-    build_vocab(tokenizer=tiny_family["tokenizer"], dataset=recipe.dataset, out=out,
+    build_vocab(tokenizer=tiny_text_family["tokenizer"], dataset=recipe.dataset, out=out,
                 config=dataclasses.replace(recipe.vocab, count_conversations=300, heldout_conversations=20))
     keep = json.loads((out / "keep_set.json").read_text())
     evals = set(keep["reserved_indices"]["eval"])
@@ -453,7 +455,7 @@ def test_distillation_never_reads_the_evaluation_prompts(tiny_family, tmp_path):
     assert not {c.index for c in partition} & set(keep["reserved_indices"]["train"])
 
     # The check decodes exactly these prompts; without a vocab folder it falls back to the partition.
-    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    tok = AutoTokenizer.from_pretrained(str(tiny_text_family["tokenizer"]))
     check_prompts = load_prompts(tok, vocab_dir=out, dataset=recipe.dataset, count=recipe.check.prompts)
     eval_order = [next(t for role, t in r["turns"] if role == "user" and t.strip()) for r in records if r["split"] == "eval"]
     assert check_prompts == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,

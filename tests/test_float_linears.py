@@ -48,7 +48,7 @@ def float_projection_copy(src, dst, pattern: str = "per_layer_model_projection")
 
 @pytest.mark.parametrize("pattern", ["per_layer_model_projection", PROJ, r"model\.per_layer_model_proj\w*",
                                      "model.layers.1"])
-def test_convert_leaves_in_float_what_transformers_leaves_in_float(tiny_family, tmp_path, pattern):
+def test_convert_leaves_in_float_what_transformers_leaves_in_float(tiny_text_family, tmp_path, pattern):
     """transformers' GemmaQuantizer on the same folder is the reference: the modules it loads as
     plain nn.Linear are the ones convert's name map expects float (a suffix, the full name, a regex,
     and "model.layers.1", a prefix up to a module boundary that catches every linear of layer 1)."""
@@ -57,7 +57,7 @@ def test_convert_leaves_in_float_what_transformers_leaves_in_float(tiny_family, 
     from transformers import AutoModelForCausalLM
     from transformers.integrations.gemma_quant import QuantizedLinear
 
-    folder = float_projection_copy(tiny_family["slm"], tmp_path / "slm", pattern)
+    folder = float_projection_copy(tiny_text_family["slm"], tmp_path / "slm", pattern)
     if pattern == "model.layers.1":  # names modules the file still holds quantized: only their class is compared
         config = json.loads((folder / "config.json").read_text())
         config["quantization_config"]["modules_to_not_convert"] = ["per_layer_model_projection", pattern]
@@ -92,8 +92,8 @@ def _assert_quantized_here(out):
     assert 0 < error["relative_rms"] < 0.02 and error["max_abs"] > 0
 
 
-def test_float_linear_bits_null_refuses_the_float_linear(tiny_family, tmp_path, capsys):
-    folder = float_projection_copy(tiny_family["slm"], tmp_path / "slm")
+def test_float_linear_bits_null_refuses_the_float_linear(tiny_text_family, tmp_path, capsys):
+    folder = float_projection_copy(tiny_text_family["slm"], tmp_path / "slm")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"version: 1\nname: t\nout: {tmp_path / 'run'}\nstages: [convert]\nmodels:\n  slm: {folder}\n"
                       "convert:\n  parity: false\n  use_keep_set: false\n  float_linear_bits: null\n")
@@ -104,8 +104,8 @@ def test_float_linear_bits_null_refuses_the_float_linear(tiny_family, tmp_path, 
 
 
 @pytest.mark.slow  # a conversion with the traced parity checks
-def test_parity_holds_with_the_float_linear_quantized_here(tiny_family, tmp_path):
-    folder = float_projection_copy(tiny_family["slm"], tmp_path / "slm")
+def test_parity_holds_with_the_float_linear_quantized_here(tiny_text_family, tmp_path):
+    folder = float_projection_copy(tiny_text_family["slm"], tmp_path / "slm")
     assert _convert(folder, tmp_path / "out") == 0
     _assert_quantized_here(tmp_path / "out")
     parity = json.loads((tmp_path / "out" / "parity.json").read_text())

@@ -10,9 +10,13 @@ import torch
 
 
 def _fp32_reference(folder):
+    """transformers' own fp32 load, text-only as load_pretrained loads a multimodal wrapper."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    from hyco.loading import text_only_config
+
+    config = text_only_config(folder)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **({"config": config} if config else {}))
 
 
 @pytest.mark.parametrize("what", ["verifier", "assistant"])
@@ -39,7 +43,10 @@ def test_naive_widening_would_keep_bf16_rounded_init_buffers(tiny_family):
     which differ from the fp32 load; so the test above can fail."""
     from transformers import AutoModelForCausalLM
 
-    naive = AutoModelForCausalLM.from_pretrained(str(tiny_family["verifier"]), dtype=torch.bfloat16).float()
+    from hyco.loading import text_only_config
+
+    config = text_only_config(tiny_family["verifier"])
+    naive = AutoModelForCausalLM.from_pretrained(str(tiny_family["verifier"]), dtype=torch.bfloat16, config=config).float()
     want = dict(_fp32_reference(tiny_family["verifier"]).named_buffers())
     assert any(not torch.equal(b, want[n]) for n, b in naive.named_buffers())
 

@@ -39,10 +39,10 @@ def ordered_assistant(src, dst):
 
 
 @pytest.fixture(scope="module")
-def ordered(tiny_family, tmp_path_factory):
+def ordered(tiny_text_family, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    folder = ordered_assistant(tiny_family["assistant"], tmp_path_factory.mktemp("ordered") / "assistant")
+    folder = ordered_assistant(tiny_text_family["assistant"], tmp_path_factory.mktemp("ordered") / "assistant")
     head = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, head
 
@@ -76,18 +76,18 @@ def test_qat_pieces_refuse_the_masked_head(ordered):
         MtpStep(head, weights, topk=4)
 
 
-def test_qat_cli_refuses_with_one_line_and_writes_nothing(ordered, tiny_family, tmp_path, capsys):
+def test_qat_cli_refuses_with_one_line_and_writes_nothing(ordered, tiny_text_family, tmp_path, capsys):
     from hyco.vocab.stage import build_vocab
 
     from hyco.recipe import VocabConfig, load_recipe
 
     folder, _ = ordered
     (tmp_path / "vocab").mkdir()
-    build_vocab(tokenizer=tiny_family["tokenizer"], dataset=load_recipe("recipes/tiny.yaml").dataset,
+    build_vocab(tokenizer=tiny_text_family["tokenizer"], dataset=load_recipe("recipes/tiny.yaml").dataset,
                 config=VocabConfig(size=1345, count_conversations=40, reserved_train=1, reserved_eval=1,
                                    heldout_conversations=5), out=tmp_path / "vocab")
-    args = ["qat", "--verifier", str(tiny_family["verifier"]), "--assistant", str(folder),
-            "--tokenizer", str(tiny_family["tokenizer"]), "--vocab", str(tmp_path / "vocab"), "--out", str(tmp_path / "q")]
+    args = ["qat", "--verifier", str(tiny_text_family["verifier"]), "--assistant", str(folder),
+            "--tokenizer", str(tiny_text_family["tokenizer"]), "--vocab", str(tmp_path / "vocab"), "--out", str(tmp_path / "q")]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{folder}/config.json: use_ordered_embeddings is true" in err[0]
@@ -96,4 +96,4 @@ def test_qat_cli_refuses_with_one_line_and_writes_nothing(ordered, tiny_family, 
     from hyco.qat.mtp import require_plain_output_layer
     from transformers import AutoConfig
 
-    require_plain_output_layer(AutoConfig.from_pretrained(tiny_family["assistant"]), str(tiny_family["assistant"]))
+    require_plain_output_layer(AutoConfig.from_pretrained(tiny_text_family["assistant"]), str(tiny_text_family["assistant"]))

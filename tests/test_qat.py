@@ -340,25 +340,33 @@ def test_recipe_answers_section():
             load_recipe("recipes/tiny.yaml", [bad])
 
 
-def test_corpus_answers_are_the_templates_rendering(tiny_family):
-    """The corpus source: prompt + answer are exactly the chat template's rendering of the first
-    exchange, cut after the end-of-turn marker; longer answers are cut at max_new_tokens."""
+@pytest.mark.parametrize("layout", ["published", "text-only"])
+def test_corpus_answers_are_the_templates_rendering(layout, tiny_family, tiny_text_family):
+    """The corpus source: the answer is the chat template's rendering of the first exchange's
+    answer, cut after the end-of-turn marker, and it follows the prompt as the model writes it:
+    after Gemma 4's generation prompt, whose empty thought channel a rendered past answer lacks
+    (its template strips thoughts), or straight after the model header (text-only fixture)."""
     from transformers import AutoTokenizer
 
     from hyco.answers import corpus_answer_ids, prompt_ids
-    from hyco.fixtures.tokenizer import EOS_IDS
+    from hyco.chat import EMPTY_THOUGHT
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    family = tiny_family if layout == "published" else tiny_text_family
+    tok = AutoTokenizer.from_pretrained(str(family["tokenizer"]))
+    eos = tok.convert_tokens_to_ids(["<eos>", "<turn|>"])
     turns = [["system", "Be brief."], ["user", "  Name three rivers. "], ["assistant", " Nile, Amazon, Danube.\n"],
              ["user", "More?"], ["assistant", "Volga."]]
     prompt = prompt_ids(tok, turns, 1000)
-    answer = corpus_answer_ids(tok, turns, 1000, EOS_IDS)
+    answer = corpus_answer_ids(tok, turns, 1000, eos)
     full = tok.apply_chat_template([{"role": "user", "content": turns[1][1]}, {"role": "assistant", "content": turns[2][1]}],
                                    tokenize=True, return_dict=False)
-    assert prompt + answer == full[:len(prompt) + len(answer)] and answer[-1] in EOS_IDS
+    header = tok.decode(prompt).endswith("<|turn>model\n" + (EMPTY_THOUGHT if layout == "published" else ""))
+    assert header and answer[-1] in eos
+    thought = len(tok(EMPTY_THOUGHT, add_special_tokens=False)["input_ids"]) if layout == "published" else 0
+    assert prompt[:len(prompt) - thought] + answer == full[:len(prompt) - thought + len(answer)]
     assert tok.decode(answer[:-1]) == "Nile, Amazon, Danube."  # the template trims the content
-    assert corpus_answer_ids(tok, turns, 3, EOS_IDS) == answer[:3]
-    assert corpus_answer_ids(tok, [["user", "Hi"]], 10, EOS_IDS) == []
+    assert corpus_answer_ids(tok, turns, 3, eos) == answer[:3]
+    assert corpus_answer_ids(tok, [["user", "Hi"]], 10, eos) == []
 
 
 def test_sampled_answers_are_reproducible_and_not_greedy(tiny_family):

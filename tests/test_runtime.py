@@ -7,6 +7,7 @@ atol 2e-3. They are softcapped to +-30 and computed in float32 by a different su
 states (embeddings, hidden states, K/V) are compared at atol 1e-4 (no softcap, smaller values).
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -533,10 +534,16 @@ def test_onnxruntime_slm_matches_the_float_slm(srq_free_slm, srq_free_graphs, ke
     avoid that by construction. That rounding is convert's to prove, and it does: its traced
     parity (convert/parity.py, tests/test_parity.py) finds every such tie, forces it, and then
     requires 1e-4. This test is about the runtime's wiring, which SRQ does not touch."""
+    from hyco.convert.load import read_checkpoint
+    from hyco.convert.stage import take_quantized_here
     from hyco.runtime_check.slm_onnx import SlmOnnx
     from hyco.runtime_check.tree import SLM, DraftTree
 
     model = load_model(srq_free_slm, "SLM")
+    # The float per_layer_model_projection with the graph's 8-bit values (as convert's parity does):
+    # the wiring is under test here, not hyco-convert's quantization of that layer.
+    enc = json.loads((srq_free_graphs / "encodings.json").read_text())
+    assert take_quantized_here(model, read_checkpoint(srq_free_slm), enc)
     ours = SlmTorch(model, keep_ids=keep, ring_full=128, ring_sliding=64, max_prompt=1024)
     graph = SlmOnnx(srq_free_graphs, keep_ids=keep, max_prompt=1024)
     prompt = list(prompt_ids)
@@ -644,7 +651,9 @@ def test_int4_step_graph_stays_within_4bit_weight_noise(family, mtp_graphs, keep
       clips the hand-off at the captures' p99.99 ranges; seen 0.107);
     - the float graph's top-1 token moves in the quantized graph by at most what it moves in the
       W4 twin + 0.15 (seen: at most 0.071 more; the move itself reaches 0.77);
-    - the quantized graph keeps the float graph's top-1 at >= 1/2 of the rounds (seen 9 of 12)."""
+    - the quantized graph keeps the float graph's top-1 about as often as the W4 twin does (within
+      2 of 12 rounds: the input QDQ may flip a near-tie). How often that is depends on the draw's
+      margins, not on the graph (seen 9 of 12 on one random head, 4 of 12 on the next)."""
     from hyco.runtime_check.mtp_onnx import FLOAT_TWIN, MtpChainOnnx
 
     embed = lut_embed(mtp_graphs, keep)
@@ -661,17 +670,18 @@ def test_int4_step_graph_stays_within_4bit_weight_noise(family, mtp_graphs, keep
         ids = draft.topk_ids[0].tolist()
         return float(draft.topk_logprobs[0, ids.index(token)]) if token in ids else None
 
-    kept_top1 = compared = 0
+    kept_top1 = twin_kept_top1 = compared = 0
     for f, q, w in zip(chains["float"], chains["int4"], chains["w4_twin"], strict=True):
         for token in set(q.topk_ids[0].tolist()) & set(w.topk_ids[0].tolist()):
             assert abs(logprob_of(q, token) - logprob_of(w, token)) <= 0.15, token
         top1 = int(f.tokens[0])
         kept_top1 += int(q.tokens[0]) == top1
+        twin_kept_top1 += int(w.tokens[0]) == top1
         lp_q, lp_w = logprob_of(q, top1), logprob_of(w, top1)
         if lp_q is not None and lp_w is not None:
             compared += 1
             assert abs(lp_q - float(f.topk_logprobs[0, 0])) <= abs(lp_w - float(f.topk_logprobs[0, 0])) + 0.15
-    assert kept_top1 >= 6 and compared >= 8
+    assert kept_top1 >= twin_kept_top1 - 2 and compared >= 8
 
 
 def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):

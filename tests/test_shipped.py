@@ -84,12 +84,12 @@ def test_compare_families_sees_a_changed_byte_but_not_a_wall_time(tmp_path):
     assert shipped.compare_families(a, b) == []
     report["verifier"]["steps"] += 1
     (b / "distill_report.json").write_text(json.dumps(report))
-    shard = b / "verifier" / "model-00001-of-00005.safetensors"
+    shard = b / "verifier" / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     assert shipped.compare_families(a, b) == ["differs: distill_report.json",
-                                              "differs: verifier/model-00001-of-00005.safetensors"]
+                                              "differs: verifier/model.safetensors"]
 
 
 @pytest.mark.slow

@@ -66,9 +66,9 @@ def write_untied_twin(src, dst):
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_family, tmp_path_factory):
+def pair(tiny_text_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("tied")
-    slm = tiny_family["slm"]
+    slm = tiny_text_family["slm"]
     assert f"{EMBED}.embedding_quantized" in load_file(str(next(slm.glob("model-00001-*.safetensors"))))
     return write_tied(slm, root / "tied"), write_untied_twin(slm, root / "twin")
 
@@ -118,15 +118,15 @@ def test_tied_head_unpacks_at_the_tables_width(pair, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def converted_tied(pair, tiny_family, tmp_path_factory):
+def converted_tied(pair, tiny_text_family, tmp_path_factory):
     from hyco.convert.stage import convert
 
     tied, _ = pair
     root = tmp_path_factory.mktemp("tied_convert")
     keep_ids = np.sort(np.random.default_rng(1).choice(4096, 1000, replace=False))
-    keep = write_keep_set(root / "vocab", tiny_family["tokenizer"], keep_ids)
+    keep = write_keep_set(root / "vocab", tiny_text_family["tokenizer"], keep_ids)
     config = ConvertConfig(rows=9, prefill_chunk=8, ring_full=32, ring_sliding=16, topk=4, parity_ring_full=16)
-    summary = convert(checkpoint=tied, out=root / "out", config=config, keep_set=keep, tokenizer=tiny_family["tokenizer"])
+    summary = convert(checkpoint=tied, out=root / "out", config=config, keep_set=keep, tokenizer=tiny_text_family["tokenizer"])
     return root / "out", keep_ids, summary
 
 
@@ -222,13 +222,13 @@ def write_tie_flag_with_stored_head(src, dst):
     return dst
 
 
-def test_check_loads_a_tie_flag_with_a_stored_head_as_the_untied_model(tiny_family, tmp_path):
+def test_check_loads_a_tie_flag_with_a_stored_head_as_the_untied_model(tiny_text_family, tmp_path):
     """transformers' own tie would reach for embed_tokens.weight, which a quantized table lacks
     (an AttributeError in tie_weights); the stored head is the model's output layer."""
     from hyco.runtime_check.check import load_model
 
-    stored = write_tie_flag_with_stored_head(tiny_family["slm"], tmp_path / "stored")
-    model, plain = load_model(stored, "SLM"), load_model(tiny_family["slm"], "SLM")
+    stored = write_tie_flag_with_stored_head(tiny_text_family["slm"], tmp_path / "stored")
+    model, plain = load_model(stored, "SLM"), load_model(tiny_text_family["slm"], "SLM")
     assert model.lm_head.weight is not model.model.embed_tokens.embedding_quantized
     ids = torch.randint(3, 4096, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -432,8 +432,12 @@ def test_fixture_tokenizer_keeps_every_always_kept_category(tiny_family, tmp_pat
     keep = load_keep_set(out, tokenizer=tok)
     kept = set(keep.token_ids.tolist())
     cats = keep.meta["categories"]
-    # The fixture's 24 Gemma-4-style specials: <bos>, <|turn>, <turn|> are the template's markers.
-    assert cats["special"] == 21 and cats["chat"] == 3 and cats["placeholder"] == 0
+    # Gemma 4's named specials at their real ids: <bos>, <|turn>, <turn|> and the empty thought
+    # channel's <|channel>, <channel|> are the template's markers; the 89 <unusedN> between them
+    # are placeholders, left out.
+    assert cats["special"] == 20 and cats["chat"] == 5 and cats["placeholder"] == 0
+    assert {100, 101, 105, 106} <= set(keep.token_ids.tolist())
+    assert "Left out: 89 placeholder tokens" in (out / "summary.md").read_text()
     assert cats["byte"] == 256 and cats["script"] > 0 and cats["frequent"] > 0
     assert sum(cats.values()) == 1345
     assert set(tok.all_special_ids) <= kept
@@ -454,8 +458,10 @@ def test_restricting_the_fixture_heads(tiny_family, tmp_path):
     same logits at the kept ids as the full heads on the same hidden states."""
     from transformers import AutoModelForCausalLM
 
+    from hyco.loading import load_pretrained
+
     torch.manual_seed(0)
-    slm = AutoModelForCausalLM.from_pretrained(str(tiny_family["slm"]), dtype=torch.float32)
+    slm = load_pretrained(tiny_family["slm"], "slm", float_checkpoint=False, dtype=torch.float32)
     vocab = slm.config.get_text_config().vocab_size
     keep = np.sort(np.random.default_rng(0).choice(vocab, size=vocab // 3, replace=False))
     assistant = AutoModelForCausalLM.from_pretrained(str(tiny_family["assistant"]), dtype=torch.float32)
