@@ -310,3 +310,19 @@ def test_check_refuses_a_truncated_published_verifier(tiny_family, tmp_path, cap
     verifier = _published_copy(tiny_family["verifier"], tmp_path / "verifier", cut_bytes=10)
     with pytest.raises(HycoError, match=r"verifier/model\.safetensors: truncated: tensor"):
         load_pretrained(verifier, "verifier", dtype=torch.float32)
+
+
+def test_prompts_and_answers_start_after_the_empty_thought_channel(ladder, tiny_family):
+    """qat's answers (read by calibrate too) follow the template's generation prompt: the model's
+    turn starts after `<|channel>thought\\n<channel|>`, as Gemma 4 -it writes it."""
+    from transformers import AutoTokenizer
+
+    from hyco.chat import EMPTY_THOUGHT
+    from hyco.loading import read_jsonl
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
+    answers = read_jsonl(ladder / "qat" / "answers.jsonl")
+    assert answers
+    for record in answers:
+        assert tok.decode(record["prompt_ids"]).endswith("<|turn>model\n" + EMPTY_THOUGHT)
+        assert 101 not in record["answer_ids"][:1]  # the answer is the text after the channel
