@@ -282,6 +282,7 @@ def test_tie_flag_without_a_stored_head_reads_the_token_table(tiny_family, tmp_p
     output layer is embed_tokens' 2-bit table, proven bit-exact against it, and the text-only
     loader gives the same logits as the file with the stored copy."""
     from hyco.convert.stage import convert
+
     from hyco.loading import load_pretrained
     from hyco.recipe import ConvertConfig
 
@@ -303,9 +304,8 @@ def test_tie_flag_without_a_stored_head_reads_the_token_table(tiny_family, tmp_p
 
 def test_check_refuses_a_truncated_published_verifier(tiny_family, tmp_path, capsys):
     """The verifier's one file cut: every loader's header check names it before any stage works."""
-    from hyco.loading import load_pretrained
-
     from hyco.errors import HycoError
+    from hyco.loading import load_pretrained
 
     verifier = _published_copy(tiny_family["verifier"], tmp_path / "verifier", cut_bytes=10)
     with pytest.raises(HycoError, match=r"verifier/model\.safetensors: truncated: tensor"):
