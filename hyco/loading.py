@@ -356,6 +356,7 @@ def srq_scales_off(model, missing_keys) -> set[str]:
     return off
 
 
+MEDIA_PLACEHOLDERS = ("image_token_id", "video_token_id", "audio_token_id")
 TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
 
@@ -384,6 +385,12 @@ def text_only_config(folder: str | Path, what: str = "model"):
         return None
     config.vision_config = None
     config.audio_config = None
+    # With no towers the media placeholders stand for nothing: the wrapper would swap them for pad
+    # before the embedding (they mark where tower outputs go); text-only they are ordinary tokens,
+    # as in the NPU graphs' embedding LUT. -1 matches no id.
+    for name in MEDIA_PLACEHOLDERS:
+        if getattr(config, name, None) is not None:
+            setattr(config, name, -1)
     return config
 
 

@@ -608,14 +608,14 @@ def test_keep_set_from_another_tokenizer_exits_2(tiny_family, tmp_path, capsys):
 
 
 @pytest.mark.slow  # by its measured duration (pytest --durations)
-def test_parity_exact_without_srq_rounding(tiny_family, tmp_path):
+def test_parity_exact_without_srq_rounding(tiny_text_family, tmp_path):
     """Justifies the tolerance policy: with the checkpoint's SRQ scales zeroed (rounding off),
     every position of every check is within 1e-4 of transformers, so the few larger
     differences of the real checkpoint are SRQ rounding flips, not a semantic difference."""
     from hyco.convert.stage import convert
     from safetensors.torch import load_file
 
-    src = tiny_family["slm"]
+    src = tiny_text_family["slm"]
     srq = {k: torch.tensor(0.0) for shard in src.glob("model-*.safetensors") for k in load_file(str(shard))
            if k.endswith("activation_scale")}
     ck = copy_checkpoint(src, tmp_path / "ck", drop=tuple(srq), add=srq)

@@ -23,6 +23,7 @@ import torch
 from hyco.errors import HycoError
 from hyco.fixtures import fullsize, models, slm
 from hyco.fixtures.presets import get_preset
+from hyco.fixtures.tokenizer import token_layout
 from hyco.gemma_quant import QatCheckpoint, bits_for_module
 
 pytestmark = pytest.mark.slow
@@ -101,11 +102,11 @@ def test_e2b_config_carries_the_real_structure():
 
 def test_full_e2b_bit_map_by_parameter_count():
     """The whole 35-layer SLM's plan (no bytes written): parameters per bit width, counted from
-    the paper's bit map and E2B's shapes by hand."""
-    config = models.slm_config(E2B.slm, VOCAB)
+    Google's published bit map and E2B's shapes by hand."""
+    config = models.slm_config(E2B.slm, VOCAB, token_layout("packed"))
     qc = slm.quant_config(E2B.slm)
     by_bits: dict[int, int] = {}
-    for t in fullsize.slm_tensors(config, qc, seed=0):
+    for t in fullsize.slm_tensors(config, qc, seed=0, per_layer_blocks=True):
         if t.name.endswith((".weight", ".embedding_quantized")) and t.dtype in ("U8", "I8"):
             module = t.name.rsplit(".", 1)[0]
             bits = bits_for_module(module, qc["module_quant_configs"], qc["num_bits"])
@@ -113,11 +114,13 @@ def test_full_e2b_bit_map_by_parameter_count():
     h, layers, shared, v = 1536, 35, 20, VOCAB
     per_layer_table = v * layers * 256
     shared_mlps = shared * 3 * h * 2 * 6144
-    kv = sum(2 * h * (512 if i % 5 == 4 else 256) for i in range(layers - shared))
-    assert by_bits[2] == per_layer_table + shared_mlps
-    assert by_bits[8] == kv
-    assert by_bits[4] > 2 * v * h  # token table + lm_head + the other linears
+    assert by_bits[2] == 2 * v * h + shared_mlps  # token table, lm_head (its bytes), MLPs of layers 15-34
+    assert by_bits[8] == layers * 2 * h * 256  # per_layer_input_gate + per_layer_projection
+    assert by_bits[4] > per_layer_table  # the per-layer table, attention, MLPs of layers 0-14
     assert per_layer_table == 2_348_810_240  # the "2.35 G per-layer-embedding parameters" of the issue
+    names = {t.name: t for t in fullsize.slm_tensors(config, qc, seed=0, per_layer_blocks=True)}
+    assert names["model.embed_tokens_per_layer.embedding_scale"].shape == (v, layers)
+    assert names["model.per_layer_model_projection.weight"].dtype == "BF16"  # left in float
 
 
 # --- the reduced-depth family on disk ---------------------------------------------------------
@@ -141,15 +144,18 @@ def test_slm_format_follows_the_bit_map(family):
     config = json.loads((family["slm"] / "config.json").read_text())
     qc = config["quantization_config"]
     assert qc["quant_method"] == "gemma" and config["num_kv_shared_layers"] == 2
-    expect_bits = {"model.embed_tokens": 4, "model.embed_tokens_per_layer": 2, "lm_head": 4,
-                   "model.layers.0.self_attn.k_proj": 8, "model.layers.1.self_attn.v_proj": 8,
+    expect_bits = {"model.embed_tokens": 2, "model.embed_tokens_per_layer": 4, "lm_head": 2,
+                   "model.layers.0.self_attn.k_proj": 4, "model.layers.1.self_attn.v_proj": 4,
                    "model.layers.1.mlp.down_proj": 4, "model.layers.2.mlp.down_proj": 2,
                    "model.layers.3.mlp.gate_proj": 2, "model.layers.3.self_attn.q_proj": 4,
-                   "model.per_layer_model_projection": 4}
+                   "model.layers.0.per_layer_input_gate": 8, "model.layers.3.per_layer_projection": 8}
     for module, bits in expect_bits.items():
         assert bits_for_module(module, qc["module_quant_configs"], qc["num_bits"]) == bits, module
-    meta = models.meta_model(models.slm_config(SMALL.slm, VOCAB))
-    kinds = slm.module_kinds(meta)
+    assert qc["modules_to_not_convert"] == ["per_layer_model_projection"] and config["tie_word_embeddings"]
+    assert tensors["model.per_layer_model_projection.weight"][0] == "BF16"
+    assert "model.per_layer_model_projection.weight_scale" not in tensors
+    meta = models.meta_model(models.slm_config(SMALL.slm, VOCAB, token_layout("packed")))
+    kinds = {n: k for n, k in slm.module_kinds(meta).items() if n != "model.per_layer_model_projection"}
     widths = {n: m.in_features if kinds[n] == "linear" else m.embedding_dim
               for n, m in meta.named_modules() if n in kinds}
     for module, width in widths.items():
@@ -158,8 +164,9 @@ def test_slm_format_follows_the_bit_map(family):
         scale = f"{module}.weight_scale" if kinds[module] == "linear" else f"{module}.embedding_scale"
         dtype, shape, _ = tensors[storage]
         assert dtype == ("I8" if bits == 8 else "U8") and shape[1] == width * bits // 8, storage
-        assert tensors[scale][:2] == ("F32", (shape[0], 1)), scale
-    assert tensors["model.embed_tokens_per_layer.embedding_quantized"][1] == (VOCAB, 4 * 256 // 4)
+        blocks = 4 if module == "model.embed_tokens_per_layer" else 1  # one scale per layer's block
+        assert tensors[scale][:2] == ("F32", (shape[0], blocks)), scale
+    assert tensors["model.embed_tokens_per_layer.embedding_quantized"][1] == (VOCAB, 4 * 256 // 2)
     assert tensors["model.layers.3.mlp.up_proj.weight"][1] == (2 * 6144, 1536 // 4)
     assert not any(".layers.2.self_attn.k_proj" in n or ".layers.3.self_attn.v_proj" in n for n in tensors)
     assert sorted(n for n in tensors if n.endswith("_cache_scale")) == [
@@ -196,17 +203,20 @@ def test_slm_ints_are_zero_mean_and_lm_head_holds_the_token_table(family):
 
 
 def test_slm_loads_in_transformers_with_plausible_srq_and_kv_scales(family):
-    """from_pretrained on the folder (transformers' GemmaQuantizer path), bit-exact ints, and a
-    forward on real text: the constant SRQ scales clip almost nothing, the KV scales cover K/V."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    """from_pretrained on the folder (transformers' GemmaQuantizer path, through hyco's loader: the
+    stored lm_head under the tie flag and the block scales, as the published file needs; it refuses
+    any missing or misshapen tensor), bit-exact ints, and a forward on real text: the constant SRQ
+    scales clip almost nothing, the KV scales cover K/V."""
+    from transformers import AutoTokenizer, DynamicCache
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(family["slm"]), dtype=torch.float32,
-                                                       output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    from hyco.loading import load_pretrained
+
+    model = load_pretrained(family["slm"], "slm", float_checkpoint=False, dtype=torch.float32)
     ckpt = QatCheckpoint(family["slm"])
     layer3 = model.model.layers[3].mlp.down_proj
     assert layer3.num_bits == 2 and torch.equal(layer3.weight, ckpt.tensor("model.layers.3.mlp.down_proj.weight"))
-    assert model.model.embed_tokens_per_layer.num_bits == 2 and model.lm_head.num_bits == 4
+    assert model.model.embed_tokens_per_layer.num_bits == 4 and model.lm_head.num_bits == 2
+    assert tuple(model.model.embed_tokens_per_layer.embedding_scale.shape) == (VOCAB, 4)
     tok = AutoTokenizer.from_pretrained(str(family["slm"]))
     text = ("The committee reviewed the proposal on Tuesday and asked for a revised budget. "
             "안녕하세요, 오늘 날씨가 좋네요. def f(x): return x * 2  # doubles")
@@ -248,7 +258,7 @@ def test_slm_loads_through_the_project_loader(family):
     report = completeness(ckpt)
     assert not report["missing"] and not report["misshapen"] and not report["extra"]
     model, text, head = load_model(ckpt)
-    assert not ckpt.tied_head and head.num_bits == 4
+    assert not ckpt.tied_head and head.num_bits == 2  # stored (tie flag set), the token table's bytes
     assert torch.equal(head.weight, text.embed_tokens.embedding_quantized)
 
 

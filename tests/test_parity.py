@@ -98,11 +98,11 @@ def assert_traced_parity(out: Path) -> dict:
 
 
 @pytest.mark.slow  # a whole conversion with parity (~75 s on a busy 2-core machine)
-def test_peaky_checkpoint_passes_traced_parity(tiny_family, tmp_path):
+def test_peaky_checkpoint_passes_traced_parity(tiny_text_family, tmp_path):
     from hyco.convert.stage import convert
     from safetensors.torch import load_file
 
-    ck = write_peaky(tiny_family["slm"], tmp_path / "peaky")
+    ck = write_peaky(tiny_text_family["slm"], tmp_path / "peaky")
     norms = torch.cat([v.reshape(-1) for s in ck.glob("model-*.safetensors") for k, v in load_file(str(s)).items()
                        if k.endswith("norm.weight")])
     assert 0.25 < float(norms.std()) < 0.35  # the variant really is peakier than the fixture

@@ -326,3 +326,30 @@ def test_prompts_and_answers_start_after_the_empty_thought_channel(ladder, tiny_
     for record in answers:
         assert tok.decode(record["prompt_ids"]).endswith("<|turn>model\n" + EMPTY_THOUGHT)
         assert 101 not in record["answer_ids"][:1]  # the answer is the text after the channel
+
+
+def test_text_only_load_reads_media_placeholders_as_tokens(tiny_family):
+    """With the towers off, `<|image|>` / `<|audio|>` / `<|video|>` are ordinary ids (the NPU graph
+    embeds them from its LUT); transformers' wrapper with towers swaps them for pad before the
+    embedding. The text-only load must therefore differ from the full one exactly where one occurs."""
+    from transformers import AutoConfig, Gemma4ForConditionalGeneration
+
+    from hyco.loading import checkpoint_files, load_pretrained, quiet_transformers, set_block_scales
+
+    folder = tiny_family["slm"]
+    config = AutoConfig.from_pretrained(str(folder))
+    text_only = load_pretrained(folder, "slm", float_checkpoint=False, dtype=torch.float32).eval()
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = False
+    with quiet_transformers():
+        full = Gemma4ForConditionalGeneration.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                              ignore_mismatched_sizes=True).eval()
+    set_block_scales(full, checkpoint_files(folder), [TEXT + "embed_tokens_per_layer.embedding_scale"])
+    image = config.image_token_id
+    with torch.no_grad():
+        plain = text_only(input_ids=torch.tensor([[2, 105, 300, 301]])).logits
+        as_token = text_only(input_ids=torch.tensor([[2, 105, 300, image]])).logits
+        padded = full(input_ids=torch.tensor([[2, 105, 300, image]])).logits
+        as_pad = text_only(input_ids=torch.tensor([[2, 105, 300, config.text_config.pad_token_id]])).logits
+    torch.testing.assert_close(padded, as_pad, rtol=0, atol=0)  # the wrapper reads it as <pad>
+    assert not torch.equal(as_token[0, -1], as_pad[0, -1]) and not torch.equal(as_token[0, -1], plain[0, -1])
+    torch.testing.assert_close(as_token[0, :-1], padded[0, :-1], rtol=0, atol=0)  # causal: earlier rows agree
