@@ -214,7 +214,7 @@ def converted(name: str, patterns: list[str]) -> bool:
     return should_convert_module(name, patterns)
 
 
-def tc_layers(ckpt: Checkpoint) -> int:
+def first_kv_shared_layer(ckpt: Checkpoint) -> int:
     """The first KV-shared layer of the checkpoint's text model."""
     tc = text_config(ckpt.folder)
     return tc.num_hidden_layers - (tc.num_kv_shared_layers or 0)
@@ -236,7 +236,7 @@ def completeness(ckpt: Checkpoint) -> dict[str, Any]:
             ok_shape = shape[-1] >= 1 and e.blocks_of % shape[-1] == 0
         if not ok_shape or dtype not in e.dtypes:
             report["misshapen"].append(f"{name}: expected {sorted(e.dtypes)}{list(e.shape)}, got {dtype}{list(shape)} in {path.name}")
-    shared_from = tc_layers(ckpt)
+    shared_from = first_kv_shared_layer(ckpt)
     unused_kv = re.compile(re.escape(ckpt.layout.text_prefix) + r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)\.")
     report["unused_shared_kv"] = []
     for name in sorted(set(ckpt.tensors) - set(expect)):

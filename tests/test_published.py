@@ -150,9 +150,9 @@ def test_transformers_reads_the_published_slm_with_its_towers(tiny_family):
             str(folder), config=config, dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True)
     assert not info["missing_keys"]
     assert [k for k, *_ in info["mismatched_keys"]] == [TEXT + "embed_tokens_per_layer.embedding_scale"]
-    # what transformers leaves out: the KV-shared layers' k/v and the cache scales, nothing else
-    assert all(".self_attn.k_proj." in k or ".self_attn.v_proj." in k or k.endswith("_cache_scale")
-               for k in info["unexpected_keys"])
+    # the KV-shared layers' k/v and the cache scales are in the file (tested above), and transformers
+    # drops them silently: nothing is reported unexpected
+    assert not info["unexpected_keys"]
     assert model.model.vision_tower is not None and model.model.audio_tower is not None
     from transformers.integrations.gemma_quant import QuantizedLinear
 
