@@ -15,8 +15,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from hyco.grids import clamp_to_grid
 
 SOC_MODEL = "87"  # SM8850 / Hexagon v81
 
@@ -53,7 +56,7 @@ def assignment(sess) -> dict:
             "not_on_qnn": other}
 
 
-def compare_passes(htp, cpu, data, bound: float | None) -> dict:
+def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] | None = None) -> dict:
     """Each recorded pass on the HTP and on the CPU EP, compared by export.smoke's rule (`PassLog`):
     top-k ids equal except swaps between tokens whose CPU log-probs are within `bound`, sorted
     top-k log-probs within `bound`. `bound` (calibrate: the graph's own top-k log-prob error vs
@@ -70,6 +73,8 @@ def compare_passes(htp, cpu, data, bound: float | None) -> dict:
     sim_s = 0.0
     for p in passes:
         feeds = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(p + "/")}
+        # as the host feeds the phone: float inputs clamped to their grids (`hyco.grids`)
+        feeds = {k: clamp_to_grid(v, (grids or {}).get(k)) if v.dtype == np.float32 else v for k, v in feeds.items()}
         start = time.perf_counter()
         h = htp.run(names, feeds)
         sim_s += time.perf_counter() - start
@@ -85,11 +90,159 @@ def compare_passes(htp, cpu, data, bound: float | None) -> dict:
             "simulator_s_per_pass": sim_s / max(len(rows), 1)}
 
 
-def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None = None) -> None:
+# --- op by op -------------------------------------------------------------------------------------
+
+# Kernels the HTP computes with reduced-precision internals: an activation x activation MatMul's
+# second operand on an 8-bit grid (`quantize.matmul_second_input_uint8` writes that into the
+# graph), Sqrt / Reciprocal / Softmax through approximations. They keep 8 bits of a 16-bit
+# output grid; every other kernel (elementwise arithmetic, reductions, data movement, the input
+# quantization) keeps 10.
+REDUCED_PRECISION_OPS = frozenset({"MatMul", "Gemm", "Sqrt", "Reciprocal", "Softmax"})
+OP_TOLERANCE_BITS = {"reduced": 8, "other": 10}
+CODE_TYPES = {"uint8": 2, "int8": 3, "uint16": 4, "int16": 5}  # numpy name -> onnx.TensorProto type
+
+
+class Tap(NamedTuple):
+    """An activation's codes: its QuantizeLinear's output, grid and the op that computed it."""
+
+    codes: str
+    scale: str
+    zero: str
+    dtype: str
+    op: str  # the producer of the quantized tensor ("graph input" for an input)
+    source_step: int = 1  # a requantization's source grid step, in these codes (the 8-bit ring's 16-bit twin: 256)
+
+
+def op_tolerance(tap: Tap) -> int:
+    """Codes an op's HTP output may differ from the CPU's on the same input codes: one step of a
+    grid of `OP_TOLERANCE_BITS` bits over the same range, 2^(bits - kept) codes (256 or 64 on a
+    uint16 grid), and at least 1 (an 8-bit output to the code). A kernel that computes wrong
+    numbers (an input beyond its grid wrapping around, the Log trap, Tanh garbage) is thousands of
+    codes off. A requantization (DequantizeLinear -> QuantizeLinear onto a finer grid) may land
+    one step of its source grid away. A property of the grids and the op, not of the model: the
+    same on every run."""
+    kept = OP_TOLERANCE_BITS["reduced" if tap.op in REDUCED_PRECISION_OPS else "other"]
+    return max(1, tap.source_step, 2 ** (np.iinfo(np.dtype(tap.dtype)).bits - kept))
+
+
+def activation_taps(model) -> list[Tap]:
+    """Every activation QuantizeLinear that is not a graph output: the tensors two implementations
+    of the graph can compare code for code."""
+    from onnx import helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    from onnx import numpy_helper
+
+    def source_step(q) -> int:
+        dq = producer.get(q.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[1] not in inits:
+            return 1
+        ratio = float(numpy_helper.to_array(inits[dq.input[1]])) / float(numpy_helper.to_array(inits[q.input[1]]))
+        return max(1, round(ratio))
+
+    return [Tap(n.output[0], n.input[1], n.input[2],
+                np.dtype(helper.tensor_dtype_to_np_dtype(inits[n.input[2]].data_type)).name,
+                producer[n.input[0]].op_type if n.input[0] in producer else "graph input", source_step(n))
+            for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits
+            and n.output[0] not in outputs and inits[n.input[2]].data_type in CODE_TYPES.values()]
+
+
+def tapped_model(model, taps):
+    """`model` returning every tap's values too, through a DequantizeLinear of its own (a
+    QuantizeLinear's codes as a graph output move nodes off the HTP)."""
     import onnx
+    from onnx import helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for codes, scale, zero, _, _ in taps:
+        m.graph.node.append(helper.make_node("DequantizeLinear", [codes, scale, zero], [codes + "__tap"],
+                                             name=codes + "__tap"))
+        m.graph.output.append(helper.make_tensor_value_info(codes + "__tap", onnx.TensorProto.FLOAT, None))
+    return m
+
+
+def teacher_forced_model(model, taps):
+    """`model` with every op reading its quantized inputs from graph inputs `<codes>__in` and every
+    tap's codes as outputs: one CPU pass computes each op from the codes another implementation
+    produced (its own inputs), so differences cannot accumulate from op to op."""
+    import onnx
+    from onnx import helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    names = {t.codes for t in taps}
+    for node in m.graph.node:
+        if node.op_type != "QuantizeLinear":
+            for j, x in enumerate(node.input):
+                if x in names:
+                    node.input[j] = x + "__in"
+    for codes, _, _, dtype, _ in taps:
+        m.graph.input.append(helper.make_tensor_value_info(codes + "__in", CODE_TYPES[dtype], None))
+        m.graph.output.append(helper.make_tensor_value_info(codes, CODE_TYPES[dtype], None))
+    return m
+
+
+def compare_ops(graph: Path, model, htp_session_of, feeds: list[dict]) -> dict:
+    """Each tap's HTP codes against the CPU's codes for the same op from the HTP's input codes
+    (`teacher_forced_model`), on `feeds`; every op must stay within `op_tolerance` codes."""
+    from collections import defaultdict
+
+    from hyco.convert.export_onnx import ort_session
+    from onnx import numpy_helper
+
+    taps = activation_taps(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    htp = htp_session_of(tapped_model(model, taps), graph.parent / f".{graph.name}.tapped.onnx")
+    cpu = ort_session(_save_beside(teacher_forced_model(model, taps), graph.parent / f".{graph.name}.forced.onnx"))
+    worst: dict[str, dict] = {}
+    tap_names = [t.codes + "__tap" for t in taps]
+    htp_inputs = {i.name for i in htp.get_inputs()}
+    for f in feeds:
+        got = dict(zip(tap_names, htp.run(tap_names, {k: v for k, v in f.items() if k in htp_inputs}), strict=True))
+        codes = {}
+        for name, scale, zero, dtype, _ in taps:
+            s = numpy_helper.to_array(inits[scale]).astype(np.float64)
+            z = numpy_helper.to_array(inits[zero]).astype(np.float64)
+            codes[name] = np.rint(got[name + "__tap"].astype(np.float64) / s + z).astype(dtype)
+        cpu_feeds = {**{k: v for k, v in f.items() if k in {i.name for i in cpu.get_inputs()}},
+                     **{k + "__in": v for k, v in codes.items()}}
+        names = [t.codes for t in taps]
+        for tap, c in zip(taps, cpu.run(names, cpu_feeds), strict=True):
+            diff = np.abs(c.astype(np.int64) - codes[tap.codes].astype(np.int64))
+            row = worst.setdefault(tap.codes, {"max_codes": 0, "mean_codes": 0.0, "tolerance": op_tolerance(tap),
+                                               "op": tap.op})
+            row["max_codes"] = max(row["max_codes"], int(diff.max()))
+            row["mean_codes"] = max(row["mean_codes"], float(diff.mean()))
+    by_op: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "max_codes": 0, "worst": None})
+    for name, row in worst.items():
+        entry = by_op[row["op"]]
+        entry["tensors"] += 1
+        if row["max_codes"] >= entry["max_codes"]:
+            entry.update(max_codes=row["max_codes"], worst=name, tolerance=row["tolerance"])
+    beyond = sorted((n for n, r in worst.items() if r["max_codes"] > r["tolerance"]), key=lambda n: -worst[n]["max_codes"])
+    return {"tensors": len(worst), "passes": len(feeds), "tolerance_bits": OP_TOLERANCE_BITS,
+            "beyond_tolerance": [{"tensor": n, **worst[n]} for n in beyond[:10]], "within_tolerance": not beyond,
+            "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]["max_codes"]))}
+
+
+def _save_beside(model, path: Path) -> Path:
+    """A weightless `model` saved where its external data resolves (the graph's own folder)."""
+    import onnx
+
+    onnx.save(model, str(path))
+    return path
+
+
+def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None = None, per_op: bool = False) -> None:
+    import onnx
+    from hyco.calibrate.quantize import boundary_qparams
     from hyco.convert.export_onnx import ort_session
 
-    total = len(onnx.load(str(graph), load_external_data=False).graph.node)
+    model = onnx.load(str(graph), load_external_data=False)
+    total = len(model.graph.node)
     result: dict = {"graph": graph.name, "nodes": total, "soc_model": SOC_MODEL}
     try:
         sess = htp_session(graph)
@@ -98,23 +251,39 @@ def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None 
         out.write_text(json.dumps(result))
         return
     result.update(assignment(sess), accepted=True)
-    if feeds_path is not None:
-        result["simulator_vs_cpu"] = compare_passes(sess, ort_session(graph), np.load(feeds_path), bound)
+    if per_op and feeds_path is not None:
+        del sess  # one HTP session per process (results leak between them)
+        data = np.load(feeds_path)
+        passes = sorted({k.split("/", 1)[0] for k in data.files})
+        grids = boundary_qparams(model)
+        feeds = [{k.split("/", 1)[1]: clamp_to_grid(data[k], grids.get(k.split("/", 1)[1])) if data[k].dtype == np.float32
+                  else data[k] for k in data.files if k.startswith(p + "/")} for p in passes]
+
+        def open_on_htp(m, path):
+            return htp_session(_save_beside(m, path))
+        try:
+            result["ops"] = compare_ops(graph, model, open_on_htp, feeds)
+        finally:
+            for suffix in ("tapped", "forced"):
+                (graph.parent / f".{graph.name}.{suffix}.onnx").unlink(missing_ok=True)
+    elif feeds_path is not None:
+        result["simulator_vs_cpu"] = compare_passes(sess, ort_session(graph), np.load(feeds_path), bound,
+                                                    boundary_qparams(model))
     out.write_text(json.dumps(result))
 
 
 def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None = None, timeout: float = 900,
-                        bound: float | None = None) -> dict:
+                        bound: float | None = None, per_op: bool = False) -> dict:
     """Run `_check` on `graph` in a fresh interpreter; `feeds` are saved to a temp .npz; `bound`:
-    see `compare_passes`."""
+    see `compare_passes`; `per_op`: compare op by op instead (`compare_ops`)."""
     with tempfile.TemporaryDirectory(prefix="hyco-htp-") as tmp:
         tmp = Path(tmp)
         args = [sys.executable, "-m", "hyco.calibrate.htp", str(graph), str(tmp / "result.json")]
         if feeds:
             np.savez(tmp / "feeds.npz", **{f"{i:04d}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()})
             args.append(str(tmp / "feeds.npz"))
-            if bound is not None:
-                args.append(repr(float(bound)))
+            args.append(repr(float(bound)) if bound is not None else "none")
+            args.append("ops" if per_op else "graph")
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not (tmp / "result.json").is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -124,4 +293,5 @@ def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None =
 
 if __name__ == "__main__":
     _check(Path(sys.argv[1]), Path(sys.argv[3]) if len(sys.argv) > 3 else None, Path(sys.argv[2]),
-           float(sys.argv[4]) if len(sys.argv) > 4 else None)
+           float(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "none" else None,
+           len(sys.argv) > 5 and sys.argv[5] == "ops")

@@ -148,7 +148,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     # The rewrite adds only nodes and scalar initializers: the graph is read and written without
     # its weights, which stay where the quantizer wrote them (reading them back, copying the model
     # and saving it again held three more copies: 12.9 GB at E2B size).
-    model = matmul_second_input_uint8(onnx.load(str(out), load_external_data=False))
+    model = neg_mirrors_its_input(matmul_second_input_uint8(onnx.load(str(out), load_external_data=False)))
     onnx.save_model(model, str(out))
     onnx.checker.check_model(str(out), full_check=True)
     return out
@@ -352,6 +352,48 @@ def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     return replaced
+
+
+def neg_mirrors_its_input(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every Neg between a uint16 DequantizeLinear and QuantizeLinear gets its input's grid mirrored
+    (same scale, zero point 65535 - z): -s (c - z) = s ((65535 - c) - (65535 - z)), so the Neg is
+    exact. A calibrated grid of its own clipped the negated values it had not seen, and the HTP,
+    which folds a Neg into the Concat that reads it (rotary's rotate-half), did not clip them:
+    1,691 output codes apart on a peaky checkpoint."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inits = _inits(m)
+    producer = {o: n for n in g.node for o in n.output}
+    consumers = graph_consumers(g)
+    for node in g.node:
+        if node.op_type != "Neg":
+            continue
+        dq = producer.get(node.input[0])
+        qs = consumers.get(node.output[0], [])
+        if dq is None or dq.op_type != "DequantizeLinear" or len(qs) != 1 or qs[0].op_type != "QuantizeLinear":
+            continue
+        zero = inits.get(dq.input[2]) if len(dq.input) > 2 else None
+        if zero is None or zero.data_type != TensorProto.UINT16:
+            continue
+        q = qs[0]
+        scale, mirrored = q.output[0] + "_mirror_scale", q.output[0] + "_mirror_zero"
+        g.initializer.extend([numpy_helper.from_array(numpy_helper.to_array(inits[dq.input[1]]).copy(), scale),
+                              numpy_helper.from_array(np.array(65535 - int(numpy_helper.to_array(zero)), np.uint16),
+                                                      mirrored)])
+        for n in [q, *consumers.get(q.output[0], [])]:
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                n.input[1], n.input[2] = scale, mirrored
+    _prune_unused_initializers(g)
+    return m
+
+
+def _prune_unused_initializers(graph: onnx.GraphProto) -> None:
+    used = {x for n in graph.node for x in n.input} | {o.name for o in graph.output}
+    keep = [t for t in graph.initializer if t.name in used]
+    if len(keep) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
 
 
 def uint8_convert_qparams(scale: float, zero_point: int) -> tuple[np.float32, np.uint8]:

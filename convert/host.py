@@ -91,6 +91,15 @@ class EmbeddingLut:
                             "must have one row per token")
         return cls(packed, scale, bits, dim, embed_scale)
 
+    def value_range(self, chunk: int = 2048) -> tuple[float, float]:
+        """Smallest and largest value any row can feed a graph (every token's row, as looked up),
+        read `chunk` rows at a time."""
+        lo, hi = np.inf, -np.inf
+        for start in range(0, self.packed.shape[0], chunk):
+            rows = self.lookup(np.arange(start, min(start + chunk, self.packed.shape[0])))
+            lo, hi = min(lo, float(rows.min())), max(hi, float(rows.max()))
+        return lo, hi
+
     def lookup(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ints = unpack_ints(self.packed[ids], self.bits, self.dim).astype(np.float32)

@@ -28,8 +28,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--qat", help="qat stage output (embed_lut.safetensors, encodings.json); not with --hub")
     p.add_argument("--vocab", help="vocab stage output (keep set, reserved prompts); not with --hub")
     p.add_argument("--tokenizer", help="tokenizer folder to ship in the bundle")
-    p.add_argument("--verifier", help="reference verifier checkpoint: recorded in bundle.json for `smoke`, and "
-                   "the stage ends with a smoke run when given")
+    p.add_argument("--verifier", help="reference verifier checkpoint: the stage ends with a smoke run when given "
+                   "(bundle.json records its name and config hash, not its path)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model, help="QNN soc_model (87: SM8850)")
     p.add_argument("--htp-arch", type=int, help="Hexagon arch; must be the SoC's own (default: the SoC's)")
@@ -55,7 +55,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "reference verifier, and compare every pass with onnxruntime CPU on the bundle's QDQ graphs: top-k ids, "
         "log-probs within the tolerance, committed tokens. Writes report.json and summary.md into --out.")
     s.add_argument("bundle", help="an export output's bundle/ folder")
-    s.add_argument("--verifier", help="reference verifier checkpoint (default: the one bundle.json names)")
+    s.add_argument("--verifier", required=True, help="reference verifier checkpoint (the server's; checked against "
+                   "the name and config hash bundle.json records)")
     s.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts from the bundle's prompts.jsonl")
     s.add_argument("--rounds", type=int, default=3, metavar="R", help="drafting rounds per prompt")
     s.add_argument("--tolerance", type=float, default=_DEFAULT.logprob_tolerance,
@@ -103,7 +104,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             inputs[k] = Path(getattr(args, k))
     manifest = run_stage("export", Path(args.out), {"export": to_dict(config)}, inputs,
                          lambda tmp: export(**paths, out=tmp, config=config, tokenizer=inputs.get("tokenizer"),
-                                            verifier=inputs.get("verifier"), allow_parity_failure=allow),
+                                            verifier=inputs.get("verifier"), allow_parity_failure=allow,
+                                            final=Path(args.out)),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     sizes = ", ".join(f"{k} {v:,} B" for k, v in s["binaries"].items())
@@ -113,7 +115,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if manifest.get("proof_failed"):
         print(f"WARNING: proof failed, bundle kept (--allow-parity-failure) and manifest marked: "
               f"{manifest['proof_failed']}", file=sys.stderr)
-    print(f"next: hyco-convert smoke {args.out}/bundle")
+    print(f"next: hyco-convert smoke {args.out}/bundle --verifier VERIFIER_DIR")
     return 0
 
 
@@ -122,7 +124,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
     bundle = Path(args.bundle)
     out = Path(args.out) if args.out else bundle.parent / "smoke"
-    report = smoke(bundle=bundle, verifier=Path(args.verifier) if args.verifier else None, prompts=args.prompts,
+    report = smoke(bundle=bundle, verifier=Path(args.verifier), prompts=args.prompts,
                    rounds=args.rounds, tolerance=args.tolerance, isolate=not args.no_isolate, out=out)
     print(report["headline"])
     print(f"wrote {out}/report.json, summary.md")

@@ -155,10 +155,51 @@ def graph_bounds(bundle: Path, specs: dict) -> dict[str, float]:
     return bounds
 
 
-def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tolerance: float | None = None,
-          isolate: bool = True, out: Path | None = None) -> dict[str, Any]:
+SMOKE_SEED = 0  # the verifier's position-keyed sampling
+
+
+def choose_prompts(reference_verifier, candidates: list[list[int]], count: int, length: int) -> list[dict[str, Any]]:
+    """Each candidate's reference text (the verifier's own continuation, `length` tokens, sampled
+    as the smoke run's verification samples it) with its statistics; the first `count` whose text
+    is not degenerate are chosen, then, when too few are, the least degenerate others. Agreement
+    measured on one repeated token says nothing."""
+    from hyco.runtime_check.tree import DraftTree
+
+    rows = []
+    for i, prompt in enumerate(candidates):
+        verifier = reference_verifier()
+        token = verifier.prefill(prompt, None).root
+        text = [token]
+        while len(text) < length:
+            token = verifier.verify_tree(DraftTree(token), 1.0, None).root
+            text.append(token)
+        stats = text_stats([text])
+        rows.append({"candidate": i, "tokens": stats["tokens"], "distinct_tokens": stats["distinct_tokens"],
+                     "top_share": stats["top_share"], "degenerate": stats["top_share"] > MAX_TOP_SHARE,
+                     "chosen": False})
+    for row in sorted(rows, key=lambda r: (r["degenerate"], r["top_share"] if r["degenerate"] else 0, r["candidate"]))[:count]:
+        row["chosen"] = True
+    return rows
+
+
+def check_verifier(bundle: Path, recorded: dict | None, verifier: Path) -> None:
+    """The verifier given must be the one the bundle was exported against (its config's sha256, as
+    bundle.json records it): drafting against another model tests nothing the bundle promised."""
+    from hyco.artifacts import sha256_file
+
+    config = verifier / "config.json"
+    if not config.is_file():
+        raise HycoError(f"{config}: not found (reference verifier)")
+    if recorded and recorded.get("config_sha256") != sha256_file(config):
+        raise HycoError(f"{config}: not the reference verifier {bundle / 'bundle.json'} records "
+                        f"({recorded.get('name')}, config sha256 {str(recorded.get('config_sha256'))[:12]}...)")
+
+
+def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance: float | None = None,
+          isolate: bool = True, out: Path | None = None, named_as: Path | None = None) -> dict[str, Any]:
     """`tolerance` None: each graph is held to its own bound from the bundle's io_spec
-    (`graph_bounds`); a number: that bound for every graph."""
+    (`graph_bounds`); a number: that bound for every graph. `named_as`: the bundle's folder as the
+    reports name it (export builds the bundle in a temp folder)."""
     from hyco.export.bundle import verify_bundle
     from hyco.runtime_check.check import load_model, load_prompts
     from hyco.runtime_check.configs import decode_config
@@ -178,9 +219,8 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
     if shared:
         raise HycoError(f"{bundle / 'bundle.json'}: {' and '.join(shared)} share one context binary (unverified); the x86 "
                         "HTP simulator cannot load a shared context, so smoke cannot run it (load it on a device)")
-    verifier = Path(verifier) if verifier else (Path(meta["reference_verifier"]) if meta.get("reference_verifier") else None)
-    if verifier is None:
-        raise HycoError(f"{bundle / 'bundle.json'}: names no reference verifier; pass --verifier DIR")
+    verifier = Path(verifier)
+    check_verifier(bundle, meta.get("reference_verifier"), verifier)
     if not (bundle / "prompts.jsonl").is_file():
         raise HycoError(f"{bundle / 'prompts.jsonl'}: the bundle ships no smoke prompts")
     import torch
@@ -190,10 +230,18 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
     specs = read_io_spec(bundle / "io_spec.json")
     tree_meta, mtp_meta = specs["tree.qdq.onnx"].meta, specs["mtp_step.qdq.onnx"].meta
     ring_full = max(r["slots"] for r in tree_meta["rings"])
-    prompt_ids = load_prompts(tok, vocab_dir=bundle, dataset=DatasetConfig(), count=prompts)
+    candidates = load_prompts(tok, vocab_dir=bundle, dataset=DatasetConfig(), count=prompts, all_available=True)
     model = load_model(verifier, "verifier")
-    cfg = decode_config("hyco-exact", CheckConfig(temperature=0.0))
-    sampling = Sampling(temperature=0.0)
+    check = CheckConfig()  # the paper's sampling (T 1, top-k 64, top-p 0.95) and tree
+    cfg = decode_config("hyco-exact", check)
+    sampling = Sampling(check.temperature, check.top_k, check.top_p)
+
+    def reference_verifier():
+        return ReferenceVerifier(model, sampling, capture_point=mtp_meta.get("capture_point", "after_norm"),
+                                 window=int(mtp_meta["window"]), keyed_seed=SMOKE_SEED)
+
+    selection = choose_prompts(reference_verifier, candidates, prompts, rounds * (cfg.mtp_depth + 1))
+    prompt_ids = [candidates[row["candidate"]] for row in selection if row["chosen"]]
     htp, cpu = BundleSessions(bundle, backend="qnn", isolate=isolate), BundleSessions(bundle, backend="cpu", isolate=False)
     graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
         (k.split(".")[0] for k in specs), float(tolerance))
@@ -210,8 +258,7 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
                     slm = slm_qnn(bundle, keep_ids=keep_ids, max_prompt=int(tree_meta["max_prompt"]),
                                   ring_full=ring_full, sessions=sessions)
                     return TreeDrafter(cfg, mtp, slm)
-                verifier_run = ReferenceVerifier(model, sampling, capture_point=mtp_meta.get("capture_point", "after_norm"),
-                                                 window=int(mtp_meta["window"]))
+                verifier_run = reference_verifier()
                 marks: list[int] = []
                 runs[name] = run_rounds(prompt, verifier_run, drafter(), rounds, marks, log if name == "htp" else None)
                 if name == "htp":
@@ -247,17 +294,25 @@ def smoke(*, bundle: Path, verifier: Path | None, prompts: int, rounds: int, tol
                 f"committed streams {'agree' if all(r['stream_agrees'] for r in results) else 'DIFFER'}, "
                 f"{diverged} rounds accepting another number of drafts "
                 f"({sum(not r['same_commit'] and r['explained'] for r in results)} through a tie swap); "
-                f"committed text more than {MAX_TOP_SHARE:.0%} one token on {looping} of {len(text)} prompts")
-    report = {"passed": passed, "headline": headline, "bundle": str(bundle), "verifier": str(verifier),
+                f"committed text (the verifier's sampled text, position-keyed) more than {MAX_TOP_SHARE:.0%} one "
+                f"token on {looping} of {len(text)} prompts, chosen from {len(selection)} by their reference text")
+    report = {"passed": passed, "headline": headline, "bundle": str(named_as or bundle), "verifier": str(verifier),
               "soc_model": meta["soc_model"], "tolerance": tolerance, "bounds": graph_bound, "isolate": isolate,
               "isolation_note": "each HTP context in its own worker process (results were seen to leak between "
                                 "HTP sessions in one process)" if isolate else "all contexts in one process",
-              "by_graph": by_role, "rounds": results, "committed_text": text, "looping_prompts": looping, "timings": timings, "passes": log.rows,
+              "by_graph": by_role, "rounds": results, "committed_text": text, "looping_prompts": looping,
+              "prompt_selection": selection, "timings": timings, "passes": log.rows,
               "wall_s": round(time.perf_counter() - start, 2)}
-    md = f"## smoke on `{bundle}`\n\n{headline}.\n\n"
+    md = f"## smoke on `{named_as or bundle}`\n\n{headline}.\n\n"
     md += markdown_table([{"graph": k, **v} for k, v in by_role.items()],
                          ["graph", "passes", "rows", "id_mismatches", "tie_swaps", "top1_equal", "max_logprob_diff",
                           "bound", "max_kv_diff"])
+    md += (f"\nPrompts: the first {prompts} of the bundle's {len(selection)} evaluation prompts whose reference "
+           f"text (the verifier's own sampled continuation, {rounds * (cfg.mtp_depth + 1)} tokens, T 1, top-k 64, "
+           f"top-p 0.95, each token keyed by its position) is at most {MAX_TOP_SHARE:.0%} one token; "
+           f"{sum(r['chosen'] and r['degenerate'] for r in selection)} chosen ones fall short of that (too few "
+           "candidates pass).\n\n")
+    md += markdown_table(selection, ["candidate", "tokens", "distinct_tokens", "top_share", "degenerate", "chosen"])
     md += "\nCommitted text per prompt (CPU run; a looping answer drafts trivially):\n\n"
     md += markdown_table([{"prompt": i, **v} for i, v in text.items()],
                          ["prompt", "tokens", "distinct_tokens", "top_token", "top_share"])

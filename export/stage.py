@@ -60,6 +60,9 @@ def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path, vo
     for role, name in GRAPHS.items():
         if name not in specs or not (calibrate / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
+    for name in GRAPHS.values():  # every path in the bundle is inside it (it moves as one folder)
+        if specs[name].meta.get("keep_set"):
+            specs[name].meta["keep_set"] = "keep_set.json"
     write_io_spec(bundle / "io_spec.json", [specs[name] for name in GRAPHS.values()])
     for name in ("encodings.json",):
         _copy(calibrate / name, bundle / "encodings" / f"calibrate.{name}", "calibrate encodings")
@@ -155,15 +158,28 @@ def declare_binaries(graphs: dict[str, Any], qnn_sdk: str) -> None:
                                               for n in binaries])
 
 
+def verifier_identity(verifier: Path) -> dict[str, str]:
+    """What bundle.json records of the reference verifier: its folder's name and its config's
+    sha256, never a path (the bundle moves; the verifier is the server's and is given to `smoke`
+    with --verifier)."""
+    from hyco.artifacts import sha256_file
+
+    config = verifier / "config.json"
+    if not config.is_file():
+        raise HycoError(f"{config}: not found (reference verifier)")
+    return {"name": verifier.resolve().name, "config_sha256": sha256_file(config)}
+
+
 def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path, config: ExportConfig,
            tokenizer: Path | None = None, verifier: Path | None = None,
-           allow_parity_failure: bool = False) -> dict[str, Any]:
+           allow_parity_failure: bool = False, final: Path | None = None) -> dict[str, Any]:
     """Write OUT/bundle/ (binaries + everything the runtime reads + bundle.json), report.json and
     summary.md; then, with `config.smoke_prompts` and a `verifier`, smoke-test the bundle on the
     HTP backend. A disagreeing smoke run is the stage's failed proof: ProofFailed after the reports
     are written (into run_stage's temp folder, so nothing moves into place), unless
     `allow_parity_failure`: then the summary carries `proof_failed` and the manifest is marked.
-    Returns a short summary for the manifest."""
+    `final`: where `out` will be once the stage is done (it is built in a temp folder), the
+    folder the reports name. Returns a short summary for the manifest."""
     from hyco.export.bundle import BUNDLE_JSON, BUNDLE_VERSION, file_table
     from hyco.export.qnn import soc_info
 
@@ -187,7 +203,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch,
             "htp_optimization_level": config.htp_optimization_level,
             "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"], "onnxruntime_qnn": versions.get("onnxruntime-qnn"),
-            "reference_verifier": str(verifier) if verifier else None,
+            "reference_verifier": verifier_identity(Path(verifier)) if verifier else None,
             "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
@@ -201,7 +217,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
         with phase("smoke"):
             smoke = run_smoke(bundle=bundle, verifier=Path(verifier), prompts=config.smoke_prompts,
                               rounds=config.smoke_rounds, tolerance=config.logprob_tolerance, isolate=config.isolate,
-                              out=out / "smoke")
+                              out=out / "smoke", named_as=Path(final or out) / "bundle")
     failed = None
     if smoke is not None and not smoke["passed"]:
         worst = ", ".join(f"{g} max |dlogprob| {v['max_logprob_diff']}"
@@ -264,4 +280,4 @@ def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
     return export(calibrate=paths["calibrate"], convert=paths["convert"], qat=paths["qat"], vocab=paths["vocab"],
                   tokenizer=paths.get("tokenizer"), verifier=paths.get("verifier"), out=out, config=recipe.export,
-                  allow_parity_failure=recipe.allow_parity_failure)
+                  allow_parity_failure=recipe.allow_parity_failure, final=stage_dir(run_dir, "export"))

@@ -237,6 +237,55 @@ def scratch_tempdir(final: Path) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[Path]:
+    """This process's exclusive use of `folder`: an flock on `.NAME.lock` beside it, so a second
+    hyco-convert writing the same folder refuses at once (one line naming the lock and its holder)
+    instead of interleaving artifacts. The kernel releases the lock of a killed holder; the file
+    goes when the lock is released, and so do folders made only to hold it."""
+    import fcntl
+
+    folder = Path(folder)
+    created = _missing_ancestors(folder.parent)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    path = folder.parent / f".{folder.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise HycoError(f"{path}: {folder} is being written by another hyco-convert (pid {holder}); wait for it "
+                            "to end or stop it") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.fstat(fd).st_ino == path.stat().st_ino:
+                break  # not a file its last holder unlinked while we waited to lock it
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
+        for parent in created:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
+def refuse_foreign_folder(out: Path) -> None:
+    """A stage replaces its whole folder: one that holds files hyco-convert did not write (no
+    manifest) is refused, so a user's files are never deleted."""
+    out = Path(out)
+    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise HycoError(f"{out}: exists and holds files hyco-convert did not write (no {MANIFEST}); nothing in it "
+                        "was touched: give a new or empty folder")
+    if out.exists() and not out.is_dir():
+        raise HycoError(f"{out}: exists and is not a folder")
+
+
 def _missing_ancestors(folder: Path) -> list[Path]:
     missing = []
     while not folder.exists() and folder != folder.parent:
@@ -442,6 +491,14 @@ def run_stage(
     """
     out = Path(out)
     refuse_failed_proofs(name, inputs, allow_parity_failure)
+    refuse_foreign_folder(out)
+    with folder_lock(out):
+        return _run_locked(name, out, section, inputs, build, force, allow_parity_failure)
+
+
+def _run_locked(name: str, out: Path, section: Mapping[str, Any], inputs: Mapping[str, Path],
+                build: Callable[[Path], Mapping[str, Any] | None], force: bool,
+                allow_parity_failure: bool) -> dict[str, Any]:
     key = stage_key(section, inputs)
     if not force and adopt_finished(out, key):
         manifest = json.loads((out / MANIFEST).read_text())

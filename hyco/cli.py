@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -75,9 +78,21 @@ def _one_line_warnings(command: str):
         warnings.showwarning = original
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so every `finally` and `atomic_dir` cleans up as
+    for Ctrl-C (Python's default for SIGTERM is to die on the spot, leaving temp folders)."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         with _one_line_warnings(args.command):
             return args.func(args) or 0
@@ -87,9 +102,40 @@ def main(argv: list[str] | None = None) -> int:
     except ProofFailed as e:
         print(f"hyco-convert {args.command}: proof failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"hyco-convert {args.command}: interrupted; no partial artifact was kept", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"hyco-convert {args.command}: interrupted ({signal.Signals(signum).name}); no partial artifact was kept",
+              file=sys.stderr)
+        return 128 + int(signum)
+    except Exception as e:
+        error = disk_error(e)
+        if error is None:
+            raise
+        print(f"hyco-convert {args.command}: error: {error}; nothing was moved into place", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted"}
+
+
+def disk_error(e: BaseException) -> str | None:
+    """One line for an exception caused by the output's filesystem (full, read-only, not ours to
+    write), found in its chain of causes: libraries wrap the OSError (onnx, safetensors and
+    onnxruntime raise their own types with the OS's message inside); None for anything else."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return f"{e.filename}: {DISK_ERRNOS[e.errno]}" if e.filename else DISK_ERRNOS[e.errno]
+        text = str(e)
+        for code, what in DISK_ERRNOS.items():
+            if code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) and os.strerror(code).lower() in text.lower():
+                return f"{what} ({text.splitlines()[0][:200]})"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 if __name__ == "__main__":

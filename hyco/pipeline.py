@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hyco.artifacts import markdown_table, peak_rss_mb, remove_stale_temps, run_stage, write_json
+from hyco.artifacts import folder_lock, markdown_table, peak_rss_mb, remove_stale_temps, run_stage, write_json
 from hyco.loading import preflight
 from hyco.recipe import Recipe
 from hyco.stages import load_stage, stage_dir, stage_section
@@ -27,6 +27,11 @@ def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, allow_pari
         for path in module.inputs(recipe, run_dir).values():
             if not Path(path).resolve().is_relative_to(run_dir.resolve()):
                 preflight(path)
+    with folder_lock(run_dir):
+        return _run_stages(recipe, modules, run_dir, force, allow, log)
+
+
+def _run_stages(recipe: Recipe, modules: dict, run_dir: Path, force: bool, allow: bool, log) -> dict[str, Any]:
     rows = []
     start = time.perf_counter()
     for name, module in modules.items():

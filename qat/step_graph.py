@@ -223,10 +223,10 @@ def export_float(step: MtpStep, spec: GraphSpec, path: Path) -> Path:
 
 
 def uint16_qparams(lo: float, hi: float) -> tuple[float, int]:
-    """Asymmetric uint16 scale / zero point for [lo, hi] (widened to hold 0)."""
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = max(hi - lo, 1e-8) / 65535.0
-    return scale, int(np.clip(round(-lo / scale), 0, 65535))
+    """Asymmetric uint16 scale / zero point holding [lo, hi] (widened to hold 0), ends included."""
+    from hyco.grids import uint16_grid
+
+    return uint16_grid(lo, hi)
 
 
 def pack_int4(values: np.ndarray) -> bytes:

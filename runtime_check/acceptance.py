@@ -72,11 +72,26 @@ def verify_epsilon(tree: DraftTree, probs: torch.Tensor, samples: list[int], eps
     return Verdict(path, int(samples[best]), tuple(tree.nodes[i].token == samples[tree.nodes[i].parent] for i in path[1:]))
 
 
-def verify(tree: DraftTree, probs: torch.Tensor, epsilon: float, generator: torch.Generator | None) -> Verdict:
-    """`probs` [len(tree), V] holds p~ at every row (row i: the next token after node i)."""
+def verify(tree: DraftTree, probs: torch.Tensor, epsilon: float, generator: torch.Generator | None,
+           samples: list[int] | None = None) -> Verdict:
+    """`probs` [len(tree), V] holds p~ at every row (row i: the next token after node i);
+    `samples`: each row's token drawn already (default: drawn here with `generator`)."""
     if probs.shape[0] != len(tree):
         raise ValueError(f"probs has {probs.shape[0]} rows for a tree of {len(tree)} nodes")
-    samples = sample_rows(probs, generator).tolist()
+    if samples is None:
+        samples = sample_rows(probs, generator).tolist()
     if epsilon >= 1.0:
         return verify_exact(tree, samples)
     return verify_epsilon(tree, probs, samples, epsilon)
+
+
+def keyed_samples(probs: torch.Tensor, positions: list[int], seed: int) -> torch.Tensor:
+    """One token per row of `probs`, row i drawn with a generator seeded by (`seed`, positions[i]),
+    the absolute position of the token it samples. Text sampled this way depends on the
+    verifier's distributions only, never on how many rows a round's tree had: exact verification
+    then commits the same tokens whatever the drafts (as greedy decoding does), on sampled text."""
+    out = []
+    for row, position in zip(probs, positions, strict=True):
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(position))
+        out.append(torch.multinomial(row, 1, generator=g))
+    return torch.cat(out)

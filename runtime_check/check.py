@@ -7,7 +7,7 @@ caches, and prompt i uses the same seed under every configuration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,12 @@ def _first_user(turns) -> list[str]:
     return next(([text] for role, text in turns if role in ("user", "human") and text.strip()), [])
 
 
-def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int) -> list[list[int]]:
+def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
+                 all_available: bool = False) -> list[list[int]]:
     """First user turns, formatted with the chat template: the vocab stage's reserved evaluation
     prompts when it ran, else the first conversations of the dataset's evaluation partition
-    (hyco/splits.py), which no fixture distillation trains on."""
+    (hyco/splits.py), which no fixture distillation trains on. `all_available`: every reserved
+    prompt (at least `count`), for a caller that chooses among them."""
     texts = []
     prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
     if prompts_file is not None and prompts_file.is_file():
@@ -67,7 +69,7 @@ def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, c
     if len(texts) < count:
         raise HycoError(f"check.prompts asks for {count} prompts, but {prompts_file or dataset.source} has {len(texts)}")
     prompts = []
-    for text in texts[:count]:
+    for text in (texts if all_available else texts[:count]):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return prompts
@@ -138,16 +140,23 @@ def handoff_window(cfg: DecodeConfig, phone: PhoneShapes) -> int | None:
     return None if cfg.mtp_on_server else phone.mtp_window
 
 
+def keyed_seed(check: CheckConfig, prompt_index: int) -> int:
+    """The position-keyed sampling seed of one prompt (`acceptance.keyed_samples`)."""
+    return check.seed * 100_003 + prompt_index
+
+
 def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier,
                head, slm, keep_ids, eos_ids: set[int], max_new_tokens: int, convert_dir: Path | None = None,
-               qat_dir: Path | None = None) -> list[DecodeLog]:
+               qat_dir: Path | None = None, seeds: list[int] | None = None) -> list[DecodeLog]:
+    """`seeds`: per prompt, the verifier samples each token keyed by its position (the committed
+    text is then the verifier's own keyed text whatever the drafts: `keyed_generate`)."""
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
     logs = []
     for i, prompt in enumerate(tqdm(prompts, desc=cfg.name, leave=False)):
         drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
                                 convert_dir=convert_dir, qat_dir=qat_dir)
         reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
-                                      window=handoff_window(cfg, phone))
+                                      window=handoff_window(cfg, phone), keyed_seed=seeds[i] if seeds else None)
         generator = torch.Generator().manual_seed(check.seed + i)
         logs.append(decode(prompt, reference, drafter, epsilon=cfg.epsilon, max_new_tokens=max_new_tokens,
                            eos_ids=eos_ids, generator=generator, probe_epsilon=check.epsilon))
@@ -155,20 +164,51 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
 
 
 @torch.no_grad()
-def greedy_generate(verifier, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
-    """The verifier's own greedy `generate` per prompt: its tokens and its raw logits per step."""
-    outs = []
-    for prompt in prompts:
-        gen = verifier.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                                output_logits=True, return_dict_in_generate=True)
-        outs.append((gen.sequences[0, len(prompt):].tolist(), torch.cat(gen.logits).float()))
-    return outs
+def keyed_generate(verifier, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int,
+                   eos_ids: set[int]) -> tuple[list[int], torch.Tensor]:
+    """The verifier alone, through transformers' own forward and cache (not the tree runner the
+    check verifies with), each token drawn from p~ keyed by its position: the text exact
+    verification must commit. Its tokens and raw logits per step."""
+    from hyco.runtime_check.acceptance import keyed_samples
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=verifier.config.get_text_config())
+    ids, tokens, logits = torch.tensor([prompt]), [], []
+    position = len(prompt)
+    while len(tokens) < max_new_tokens:
+        step = verifier(input_ids=ids, cache=cache, use_cache=True).logits[0, -1:].float()
+        token = int(keyed_samples(sampling.probs(step), [position], seed)[0])
+        tokens.append(token)
+        logits.append(step)
+        if token in eos_ids:
+            break
+        ids, position = torch.tensor([[token]]), position + 1
+    return tokens, torch.cat(logits)
+
+
+def choose_prompts(candidates: list[list[int]], references: list[list[int]], count: int) -> list[dict[str, Any]]:
+    """Each candidate's reference text statistics; the first `count` whose text is not mostly one
+    token are chosen, then, when too few are, the least repetitive others. Agreement and
+    acceptance measured on one repeated token say nothing."""
+    from hyco.answers import MAX_TOP_SHARE, text_stats
+
+    rows = []
+    for i, ref in enumerate(references):
+        st = text_stats([ref])
+        rows.append({"candidate": i, "prompt_tokens": len(candidates[i]), "tokens": st["tokens"],
+                     "distinct_tokens": st["distinct_tokens"], "top_share": st["top_share"],
+                     "degenerate": st["top_share"] > MAX_TOP_SHARE, "chosen": False})
+    for row in sorted(rows, key=lambda r: (r["degenerate"], r["top_share"] if r["degenerate"] else 0,
+                                           r["candidate"]))[:count]:
+        row["chosen"] = True
+    return rows
 
 
 def compare_with_generate(logs: list[DecodeLog], reference: list[tuple[list[int], torch.Tensor]]) -> dict[str, Any]:
-    """Committed greedy tokens against `generate`'s, prompt by prompt: equal, or where they first
-    differ with the verifier's logit margin there (generate's logit of its token minus ours; a
-    margin near float rounding would be a tie broken differently, anything larger a defect)."""
+    """Committed tokens against the verifier's own (`keyed_generate`: its tokens and logits),
+    prompt by prompt: equal, or where they first differ with the verifier's logit margin there
+    (its logit of its token minus ours; a margin near float rounding would be a tie broken
+    differently, anything larger a defect)."""
     compared, first, distinct = 0, None, set()
     for i, (log, (theirs, logits)) in enumerate(zip(logs, reference, strict=True)):
         distinct.update(theirs)
@@ -244,24 +284,30 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
             raise HycoError(f"{path}: vocabulary of {model.config.get_text_config().vocab_size} tokens, but the "
                             f"verifier {verifier} has {vocab_size} (the drafters must share its tokenizer)")
     keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
-    prompt_ids = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=prompts or config.prompts)
+    count = prompts or config.prompts
+    candidates = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
     eos = eos_ids_of(verifier_model)
+    sampling = Sampling(config.temperature, config.top_k, config.top_p)
+    # every candidate's reference text (the verifier alone, keyed sampling): the prompts are chosen
+    # by its statistics, and exact verification must commit exactly it
+    references = [keyed_generate(verifier_model, p, config.max_new_tokens, sampling, keyed_seed(config, i), eos)
+                  for i, p in enumerate(tqdm(candidates, desc="reference texts", leave=False))]
+    selection = choose_prompts(candidates, [t for t, _ in references], count)
+    chosen = [r["candidate"] for r in selection if r["chosen"]]
+    prompt_ids, reference = [candidates[i] for i in chosen], [references[i] for i in chosen]
+    seeds = [keyed_seed(config, i) for i in chosen]
     results, lossless = {}, {}
-    greedy = replace(config, temperature=0.0)
-    reference = None  # the verifier's own greedy `generate`, computed once when needed
     for cfg in tqdm(decode_configs, desc="configurations"):
         run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
                    max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir)
-        logs = decode_all(prompt_ids, cfg, config, phone, **run)
+        logs = decode_all(prompt_ids, cfg, config, phone, seeds=seeds, **run)
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
                              "mtp_depth": cfg.mtp_depth, **summarize(logs, None if keep_ids is None else keep_ids.numpy(), config.chain_depth)}
         if cfg.epsilon >= 1.0:
-            # Evidence for "exact verification is lossless": the same prompts decoded greedily
-            # must commit exactly what the verifier's own greedy `generate` writes.
-            greedy_logs = logs if config.temperature == 0 else decode_all(prompt_ids, cfg, greedy, phone, **run)
-            reference = reference or greedy_generate(verifier_model, prompt_ids, config.max_new_tokens)
-            lossless[cfg.name] = {**compare_with_generate(greedy_logs, reference),
-                                  "accepted_draft_tokens": sum(len(r.accepted_sources) for g in greedy_logs
+            # Evidence for "exact verification is lossless": with each token sampled keyed by its
+            # position, the rounds must commit exactly the verifier's own text (`keyed_generate`).
+            lossless[cfg.name] = {**compare_with_generate(logs, reference),
+                                  "accepted_draft_tokens": sum(len(r.accepted_sources) for g in logs
                                                                for r in g.rounds)}
     graphs = config.backend == "onnxruntime"
     backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
@@ -271,6 +317,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
         backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
                         mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
+                "prompt_selection": selection,
                 "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
                 "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}

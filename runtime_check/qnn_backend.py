@@ -25,6 +25,7 @@ from hyco.runtime_check.slm_onnx import SlmOnnx
 
 from hyco.artifacts import read_json
 from hyco.errors import HycoError
+from hyco.grids import clamp_to_grid
 from hyco.io_spec import GraphSpec, TensorSpec, read_io_spec
 
 SPEC_KEYS = GRAPHS  # role -> io_spec key (calibrate's file names)
@@ -124,9 +125,12 @@ class CodesSession:
         self.session = session
         self.inputs = {t.name: t for t in spec.inputs if _codes(t)}
         self.outputs = {t.name: t for t in spec.outputs if _codes(t)}
+        self.clamped = {t.name: t.quant for t in spec.inputs if t.quant is not None and not _codes(t)}
 
     def run(self, names, feeds):
         feeds = dict(feeds)
+        for name, quant in self.clamped.items():  # the HTP wraps a float input beyond its grid
+            feeds[name] = clamp_to_grid(feeds[name], quant)
         for name, t in self.inputs.items():
             q, info = t.quant, np.iinfo(t.dtype)
             codes = np.rint(feeds[name].astype(np.float64) / q["scale"]) + q["zero_point"]

@@ -18,7 +18,8 @@ COLUMNS = ["config", "label", "rule", "mat", "tokens_ge_eps_row", "top_p_row", "
 
 def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
                  lossless: dict[str, dict] | None = None) -> dict[str, Any]:
-    """`lossless`: per exact configuration, `check.compare_with_generate`'s verdict on greedy runs."""
+    """`lossless`: per exact configuration, `check.compare_with_generate`'s verdict against the
+    verifier's own keyed-sampled text (`check.keyed_generate`)."""
     out.mkdir(parents=True, exist_ok=True)
     lossless = lossless or {}
     report = {"settings": settings, "configs": results, "lossless": lossless, "paper_mat_sb480": PAPER_MAT}
@@ -39,7 +40,8 @@ def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
           "rounds whose first 1 / K chain tokens were all accepted. share_*: accepted tokens by source. Bytes: "
           "hand-off e+h per round, its K/V per committed token, and the tree message per round (8-bit wire).", "",
           *_vacuity_warning(results, epsilon),
-          "## Lossless (exact configurations, greedy)", "", *_lossless_lines(lossless, settings), "",
+          *_prompt_lines(settings),
+          "## Lossless (exact configurations)", "", *_lossless_lines(lossless, settings), "",
           "## The paper's figures (not comparable)", "",
           "MAT from the paper's Table 2 (SB-480, Gemma 4 26B-A4B and its real drafters), for orientation only: the "
           "figures above come from the tiny fixture models on the fixture's prompts, so the two columns measure "
@@ -74,19 +76,35 @@ def _vacuity_warning(results: dict[str, dict], epsilon: float) -> list[str]:
 def _lossless_lines(lossless: dict[str, dict], settings: dict[str, Any]) -> list[str]:
     if not lossless:
         return ["No exact configuration ran, so losslessness was not checked."]
-    lines = [f"Each exact configuration decoded the same {settings['prompts']} prompts greedily (temperature 0) and "
-             "its committed tokens were compared with the verifier's own greedy `generate`:", ""]
+    lines = [f"Every token is sampled with a generator keyed by its position, so the text exact verification commits "
+             "does not depend on the drafts. Each exact configuration's committed tokens on the "
+             f"{settings['prompts']} prompts were compared with the verifier's own text, sampled alone through "
+             "transformers' forward and cache:", ""]
     for name, v in lossless.items():
         head = (f"- {name}: {v['tokens_compared']} tokens over {v['prompts']} prompts ({v['distinct_tokens']} "
-                f"distinct in generate's text), {v['accepted_draft_tokens']} of them accepted drafts: ")
+                f"distinct in the verifier's text), {v['accepted_draft_tokens']} of them accepted drafts: ")
         if v["equal"]:
             lines.append(head + "identical, lossless.")
         else:
             d = v["first_divergence"]
             margin = "" if d["logit_margin"] is None else f", verifier logit margin there {d['logit_margin']:.3g}"
             lines.append(head + f"NOT identical: prompt {d['prompt']} first differs at output token {d['position']} "
-                         f"(ours {d['ours']}, generate {d['generate']}{margin}).")
+                         f"(ours {d['ours']}, the verifier's {d['generate']}{margin}).")
     return lines
+
+
+def _prompt_lines(settings: dict[str, Any]) -> list[str]:
+    rows = settings.get("prompt_selection") or []
+    if not rows:
+        return []
+    chosen = [r for r in rows if r["chosen"]]
+    short = sum(r["degenerate"] for r in chosen)
+    return ["## Prompts", "",
+            f"The {len(chosen)} prompts are the first of the {len(rows)} reserved evaluation prompts whose reference text "
+            "(the verifier's own sampled answer, below) is at most half one token"
+            + (f"; {short} chosen ones are not (too few candidates pass)" if short else "") + ":", "",
+            markdown_table(rows, ["candidate", "prompt_tokens", "tokens", "distinct_tokens", "top_share",
+                                  "degenerate", "chosen"])]
 
 
 def _row(name: str, r: dict) -> dict:

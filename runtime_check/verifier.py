@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hyco.runtime_check.acceptance import Verdict, verify
+from hyco.runtime_check.acceptance import Verdict, keyed_samples, verify
 from hyco.runtime_check.sampling import sample_rows, sampling_probs
 from hyco.runtime_check.tree import DraftTree
 from hyco.runtime_check.tree_pass import CachedTreeModel, PassOutput
@@ -62,8 +62,12 @@ class Reply:
 
 
 class ReferenceVerifier:
-    def __init__(self, model, sampling: Sampling, *, capture_point: str = "after_norm", window: int | None = 1024):
+    def __init__(self, model, sampling: Sampling, *, capture_point: str = "after_norm", window: int | None = 1024,
+                 keyed_seed: int | None = None):
+        """`keyed_seed`: draw each token from a generator keyed by its position (`keyed_samples`),
+        so the committed text does not depend on the drafts; None: from the caller's generator."""
         self.model = model
+        self.keyed_seed = keyed_seed
         self.runner = CachedTreeModel(model)
         self.sampling = sampling
         self.capture_point = capture_point
@@ -83,14 +87,21 @@ class ReferenceVerifier:
 
     def prefill(self, prompt: list[int], generator: torch.Generator | None) -> Reply:
         out = self.runner.prefill(prompt)  # the verifier prefills the whole prompt
-        root = int(sample_rows(self.sampling.probs(out.logits), generator)[0])
+        probs = self.sampling.probs(out.logits)
+        if self.keyed_seed is None:
+            root = int(sample_rows(probs, generator)[0])
+        else:
+            root = int(keyed_samples(probs[-1:], [len(prompt)], self.keyed_seed)[0])
         first = 0 if self.window is None else max(0, len(prompt) - self.window)
         rows = list(range(first, len(prompt)))
         return Reply(root, self._handoff(out, rows, 0, root))
 
     def verify_tree(self, tree: DraftTree, epsilon: float, generator: torch.Generator | None) -> Reply:
+        start = self.runner.committed  # the root's position
         out = self.runner.forward_tree(tree.tokens, tree.parents)
         probs = self.sampling.probs(out.logits)
-        verdict = verify(tree, probs, epsilon, generator)
+        samples = None if self.keyed_seed is None else keyed_samples(
+            probs, [start + node.depth + 1 for node in tree.nodes], self.keyed_seed).tolist()
+        verdict = verify(tree, probs, epsilon, generator, samples)
         self.runner.commit(verdict.path)
         return Reply(verdict.bonus, self._handoff(out, verdict.path, verdict.path[-1], verdict.bonus), verdict, probs)
