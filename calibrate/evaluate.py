@@ -258,8 +258,12 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
                 rows.append(n)
             db = sqnr_db(list(layers[g]), ref_taps.pop(g), q_taps.pop(g))
             results[g] = summarize(top1, kl, db, margins, topk_err) | {"passes": len(rows)}
-            # the HTP check runs the QDQ driver's own passes (a fuller tree pass first), read back from disk
-            order = sorted(range(len(rows)), key=lambda i: -rows[i])[:config.simulator_passes if config.htp_check else 0]
+            # the HTP check runs the QDQ driver's own passes (the fullest first), read back from disk;
+            # the HTP bound (`perturbation_bound`) those and 4 more spread over the rest
+            fullest = sorted(range(len(rows)), key=lambda i: -rows[i])
+            first = fullest[:max(config.simulator_passes, 1)]
+            rest = fullest[len(first):]
+            order = first + [rest[j] for j in sorted(set(np.linspace(0, len(rest) - 1, min(4, len(rest))).astype(int)))]
             htp_feeds[g] = [q_rec.passes[i][0] for i in order]
     return {"graphs": results, "htp_feeds": htp_feeds}
 

@@ -161,9 +161,11 @@ class CalibrateConfig:
     htp_check: bool = True  # HTP acceptance + simulator-vs-CPU (onnxruntime-qnn, one process per graph)
     simulator_passes: int = 3  # passes per graph run on the HTP simulator (seconds each)
     seed: int = 0
+    fidelity_seeds: int = 1  # calibration samples (seeds seed, seed + 1, ...) the fidelity figures are measured over
 
     def __post_init__(self):
         _require(self.prompts >= 1, f"calibrate.prompts must be >= 1, but got {self.prompts}")
+        _require(self.fidelity_seeds >= 1, f"calibrate.fidelity_seeds must be >= 1, but got {self.fidelity_seeds}")
         _require(self.eval_prompts >= 1, f"calibrate.eval_prompts must be >= 1, but got {self.eval_prompts}")
         _require(50.0 < self.kv_percentile <= 100.0, f"calibrate.kv_percentile must be in (50, 100], but got {self.kv_percentile}")
         _require(50.0 < self.activation_percentile <= 100.0,

@@ -19,7 +19,7 @@ LADDER = [
     "convert.parity=false",
     "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
     "calibrate.prompts=2", "calibrate.eval_prompts=1", "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2",
-    "calibrate.htp_check=false",
+    "calibrate.htp_check=false", "calibrate.fidelity_seeds=2",
     "export.smoke_prompts=0",
     "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
 ]

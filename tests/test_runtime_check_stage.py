@@ -85,9 +85,9 @@ def test_a_divergence_from_generate_is_reported_with_its_margin(tmp_path):
     settings = {"prompts": 2, "prompt_tokens_mean": 5.0, "keep_set": None, "vocab_size": 10,
                 "check": {"max_new_tokens": 4, "temperature": 1.0, "top_k": 64, "top_p": 0.95, "epsilon": 0.005}}
     write_report(tmp_path, {}, settings, {"specedge": {**verdict, "accepted_draft_tokens": 3}})
-    assert ("- specedge: 8 tokens over 2 prompts (5 distinct in generate's text), 3 of them accepted drafts: NOT "
+    assert ("- specedge: 8 tokens over 2 prompts (5 distinct in the verifier's text), 3 of them accepted drafts: NOT "
             "identical: prompt 1 first differs "
-            "at output token 2 (ours 5, generate 7, verifier logit margin there 0.5).") in (tmp_path / "report.md").read_text()
+            "at output token 2 (ours 5, the verifier's 7, verifier logit margin there 0.5).") in (tmp_path / "report.md").read_text()
 
 
 def test_check_via_run_and_one_config(tiny_family, tmp_path):

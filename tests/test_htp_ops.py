@@ -1,0 +1,180 @@
+"""The HTP rules that hold on any checkpoint: grids that hold their inputs' whole range, the op by
+op comparison (teacher-forced: each op computed on the CPU from the other implementation's own
+input codes), the end-to-end bound carried from the per-op tolerance through the graph, and a
+peakier, undistilled family than any fixture the project tunes on, through calibrate and export
+with smoke on (the HTP simulator).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from peaky import write_peaky
+
+from hyco.grids import clamp_to_grid, grid_range, uint16_grid
+from hyco.io_spec import read_io_spec
+
+
+@pytest.mark.parametrize("lo,hi", [(-1.0, 1.0), (0.0, 1.0), (-3.7, 0.2), (-0.01, 41.5), (-65504.0, 3.0), (0.5, 0.9)])
+def test_uint16_grid_holds_both_ends_in_float32(lo, hi):
+    """QuantizeLinear's own arithmetic (float32 divide, round half to even, saturate) maps both
+    ends inside the grid: neither needs the saturation the HTP does not do."""
+    scale, zero = uint16_grid(lo, hi)
+    for x in (min(lo, 0.0), max(hi, 0.0)):
+        code = np.rint(np.float32(x) / np.float32(scale)) + zero
+        assert 0 <= code <= 65535, (x, code)
+    top, bottom = grid_range({"dtype": "uint16", "scale": scale, "zero_point": zero})
+    assert top <= min(lo, 0.0) and bottom >= max(hi, 0.0)
+    assert (bottom - top) <= 1.001 * (max(hi, 0.0) - min(lo, 0.0)) + 2e-8 * 65535  # no more than a step wider
+
+
+def test_onnxruntimes_own_grid_for_the_rotary_tables_loses_its_top():
+    """Why `uint16_grid` exists: the nearest-rounded zero point of [-1, 1] tops out below 1.0 (the
+    HTP then wraps cos = 1 to -1)."""
+    scale = 2.0 / 65535
+    zero = round(1.0 / scale)  # onnxruntime: round(-lo / scale), half to even
+    assert (65535 - zero) * scale < 1.0
+    x = np.array([1.0, -1.0, 0.3], np.float32)
+    q = {"dtype": "uint16", "scale": scale, "zero_point": zero}
+    assert clamp_to_grid(x, q)[0] < 1.0 and clamp_to_grid(x, q)[2] == np.float32(0.3)
+
+
+def _feeds(out: Path, g: str) -> list[dict]:
+    from hyco.calibrate.evaluate import to_codes
+    from hyco.calibrate.stage import OUT_NAMES
+    from test_calibrate import random_feeds
+
+    spec = read_io_spec(out / "io_spec.json")[OUT_NAMES[g]]
+    return [to_codes(random_feeds(spec, negative=spec.meta["mask_negative"], seed=s), spec) for s in (0, 1)]
+
+
+def test_teacher_forced_cpu_reproduces_its_own_codes_and_flags_a_wrong_op(tiny_calibrated, tmp_path):
+    """`compare_ops` with the CPU EP standing in for the HTP finds every op 0 codes apart (the
+    plumbing: taps, codes, teacher forcing); the same with one op's output wrapped around (as the
+    HTP wrapped cos = 1) is flagged beyond tolerance, that op named."""
+    from hyco.calibrate.htp import _save_beside, activation_taps, compare_ops, op_tolerance
+    from hyco.calibrate.stage import OUT_NAMES
+    from hyco.convert.export_onnx import ort_session
+
+    out = tiny_calibrated / "calibrate"
+    work = tmp_path / "graph"
+    shutil.copytree(out, work, ignore=shutil.ignore_patterns("*.png"))
+    graph = work / OUT_NAMES["mtp"]
+    model = onnx.load(str(graph), load_external_data=False)
+    taps = activation_taps(model)
+    assert len(taps) > 100 and {t.dtype for t in taps} <= {"uint8", "int8", "uint16"}
+    assert {op_tolerance(t) for t in taps if t.dtype == "uint16"} >= {64, 256}
+    feeds = _feeds(out, "mtp")
+
+    def cpu_as_htp(m, path):
+        return ort_session(_save_beside(m, path))
+
+    same = compare_ops(graph, model, cpu_as_htp, feeds)
+    assert same["within_tolerance"] and same["tensors"] == len(taps)
+    assert all(v["max_codes"] == 0 for v in same["by_op"].values()), same["by_op"]
+
+    victim = next(t for t in taps if t.op == "Mul" and t.dtype == "uint16")
+
+    class Wrapping:  # the victim's codes come back shifted by half the grid, as a wrap would
+        def __init__(self, session):
+            self.session = session
+
+        def get_inputs(self):
+            return self.session.get_inputs()
+
+        def run(self, names, feeds):
+            out = self.session.run(names, feeds)
+            i = names.index(victim.codes + "__tap")
+            out[i] = out[i] + np.float32(32768 * float(onnx.numpy_helper.to_array(
+                {t.name: t for t in model.graph.initializer}[victim.scale])))
+            return out
+
+    wrong = compare_ops(graph, model, lambda m, p: Wrapping(cpu_as_htp(m, p)), feeds)
+    assert not wrong["within_tolerance"]
+    assert wrong["beyond_tolerance"][0]["tensor"] == victim.codes and wrong["beyond_tolerance"][0]["max_codes"] > 30000
+
+
+def test_perturbation_bound_is_the_same_on_every_run_and_grows_with_the_tolerance(tiny_calibrated, monkeypatch):
+    from hyco.calibrate import evaluate, htp
+    from hyco.calibrate.stage import OUT_NAMES
+
+    out = tiny_calibrated / "calibrate"
+    graph = out / OUT_NAMES["mtp"]
+    model = onnx.load(str(graph), load_external_data=False)
+    feeds = _feeds(out, "mtp")
+    first = evaluate.perturbation_bound(graph, model, feeds, seed=0)
+    assert first == evaluate.perturbation_bound(graph, model, feeds, seed=0)
+    assert first["bound"] == evaluate.BOUND_FACTOR * first["perturbed_max"] > 0
+    monkeypatch.setattr(htp, "OP_TOLERANCE_BITS", {"reduced": 12, "other": 14})  # 16x tighter everywhere
+    tight = evaluate.perturbation_bound(graph, model, feeds, seed=0)
+    assert tight["bound"] < first["bound"] / 4, (tight, first)
+
+
+@pytest.mark.slow
+def test_peaky_undistilled_family_through_calibrate_and_export_with_smoke(tiny_family, tmp_path):
+    """An SLM peakier than any fixture tuned on (written here: norms 1 + 0.3 randn, weight and
+    output SRQ scales x3, sliding window 8, from the UNdistilled published family): calibrate's
+    proofs (per-op tolerance on the simulator, the derived end-to-end bound) and export's smoke
+    pass; the bound the smoke holds each graph to is calibrate's."""
+    from ladder import LADDER, RECIPE, set_args
+
+    from hyco.cli import main
+
+    slm = write_peaky(tiny_family["slm"], tmp_path / "peaky-slm", seed=1)
+    out = tmp_path / "run"
+    models = [f"models.{k}={v}" for k, v in tiny_family.items() if k != "slm"] + [f"models.slm={slm}"]
+    args = ["run", str(RECIPE), "--out", str(out), *set_args([
+        *LADDER, *models, "stages=[vocab,convert,qat,calibrate,export]", "calibrate.htp_check=true",
+        "calibrate.simulator_passes=1", "calibrate.eval_prompts=2", "export.smoke_prompts=1", "export.smoke_rounds=2"])]
+    assert main(args) == 0
+    report = json.loads((out / "calibrate" / "report.json").read_text())
+    assert report["proof_failed"] is None
+    for name, r in report["graphs"].items():
+        ops = r["htp"]["ops"]
+        assert ops["within_tolerance"] and ops["tensors"] > 100, (name, ops["beyond_tolerance"])
+        sim = r["htp"]["simulator_vs_cpu"]
+        assert sim["within_bound"] and sim["max_abs_logprob_diff"] <= sim["bound"] == r["htp_logprob_bound"]
+    smoke = json.loads((out / "export" / "smoke" / "report.json").read_text())
+    assert smoke["passed"], smoke["headline"]
+    specs = read_io_spec(out / "calibrate" / "io_spec.json")
+    for key, spec in specs.items():
+        assert smoke["bounds"][key.split(".")[0]] == pytest.approx(spec.meta["htp_logprob_bound"])
+    text = json.loads((out / "export" / "smoke" / "report.json").read_text())["committed_text"]
+    print("peaky family:", {n: (r["top1_agreement"], r["htp"]["simulator_vs_cpu"]["max_abs_logprob_diff"],
+                                r["htp_logprob_bound"]) for n, r in report["graphs"].items()}, text)
+
+
+@pytest.mark.slow
+def test_a_moved_bundle_smokes_from_any_directory(tiny_export_distilled, tiny_family_distilled, tmp_path):
+    """The main job's bundle copied to a new folder and smoke-tested from `/`: every path in
+    bundle.json and io_spec.json is inside the bundle, the verifier comes from --verifier and must
+    be the one bundle.json records."""
+    _, bundle = tiny_export_distilled
+    moved = tmp_path / "elsewhere" / "bundle"
+    shutil.copytree(bundle, moved)
+    for name in ("bundle.json", "io_spec.json"):
+        text = (moved / name).read_text()
+        assert str(bundle.parent.parent) not in text and "runs/" not in text, name
+    meta = json.loads((moved / "bundle.json").read_text())
+    assert set(meta["reference_verifier"]) == {"name", "config_sha256"}
+    verifier = tiny_family_distilled["verifier"]
+    cmd = [sys.executable, "-m", "hyco.cli", "smoke", str(moved), "--verifier", str(verifier), "--prompts", "1",
+           "--rounds", "2", "--out", str(tmp_path / "smoke")]
+    done = subprocess.run(cmd, cwd="/", capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "smoke" / "report.json").read_text())
+    assert report["passed"] and report["bundle"] == str(moved)
+    other = tmp_path / "other-verifier"
+    shutil.copytree(verifier, other)
+    config = json.loads((other / "config.json").read_text())
+    config["initializer_range"] = 0.03
+    (other / "config.json").write_text(json.dumps(config))
+    wrong = subprocess.run([*cmd[:6], str(other), *cmd[7:]], cwd="/", capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "not the reference verifier" in wrong.stderr, wrong.stderr[-2000:]
