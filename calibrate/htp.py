@@ -157,7 +157,7 @@ def tapped_model(model, taps):
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    for codes, scale, zero, _, _ in taps:
+    for codes, scale, zero, *_ in taps:
         m.graph.node.append(helper.make_node("DequantizeLinear", [codes, scale, zero], [codes + "__tap"],
                                              name=codes + "__tap"))
         m.graph.output.append(helper.make_tensor_value_info(codes + "__tap", onnx.TensorProto.FLOAT, None))
@@ -179,7 +179,7 @@ def teacher_forced_model(model, taps):
             for j, x in enumerate(node.input):
                 if x in names:
                     node.input[j] = x + "__in"
-    for codes, _, _, dtype, _ in taps:
+    for codes, _, _, dtype, *_ in taps:
         m.graph.input.append(helper.make_tensor_value_info(codes + "__in", CODE_TYPES[dtype], None))
         m.graph.output.append(helper.make_tensor_value_info(codes, CODE_TYPES[dtype], None))
     return m
@@ -203,7 +203,7 @@ def compare_ops(graph: Path, model, htp_session_of, feeds: list[dict]) -> dict:
     for f in feeds:
         got = dict(zip(tap_names, htp.run(tap_names, {k: v for k, v in f.items() if k in htp_inputs}), strict=True))
         codes = {}
-        for name, scale, zero, dtype, _ in taps:
+        for name, scale, zero, dtype, *_ in taps:
             s = numpy_helper.to_array(inits[scale]).astype(np.float64)
             z = numpy_helper.to_array(inits[zero]).astype(np.float64)
             codes[name] = np.rint(got[name + "__tap"].astype(np.float64) / s + z).astype(dtype)

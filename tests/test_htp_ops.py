@@ -30,9 +30,9 @@ def test_uint16_grid_holds_both_ends_in_float32(lo, hi):
     for x in (min(lo, 0.0), max(hi, 0.0)):
         code = np.rint(np.float32(x) / np.float32(scale)) + zero
         assert 0 <= code <= 65535, (x, code)
-    top, bottom = grid_range({"dtype": "uint16", "scale": scale, "zero_point": zero})
-    assert top <= min(lo, 0.0) and bottom >= max(hi, 0.0)
-    assert (bottom - top) <= 1.001 * (max(hi, 0.0) - min(lo, 0.0)) + 2e-8 * 65535  # no more than a step wider
+    bottom, top = grid_range({"dtype": "uint16", "scale": scale, "zero_point": zero})
+    assert np.float32(bottom) <= np.float32(min(lo, 0.0)) and np.float32(top) >= np.float32(max(hi, 0.0))
+    assert (top - bottom) <= 1.001 * (max(hi, 0.0) - min(lo, 0.0)) + 1e-7  # no more than a step wider
 
 
 def test_onnxruntimes_own_grid_for_the_rotary_tables_loses_its_top():
@@ -112,9 +112,9 @@ def test_perturbation_bound_is_the_same_on_every_run_and_grows_with_the_toleranc
     first = evaluate.perturbation_bound(graph, model, feeds, seed=0)
     assert first == evaluate.perturbation_bound(graph, model, feeds, seed=0)
     assert first["bound"] == evaluate.BOUND_FACTOR * first["perturbed_max"] > 0
-    monkeypatch.setattr(htp, "OP_TOLERANCE_BITS", {"reduced": 12, "other": 14})  # 16x tighter everywhere
-    tight = evaluate.perturbation_bound(graph, model, feeds, seed=0)
-    assert tight["bound"] < first["bound"] / 4, (tight, first)
+    monkeypatch.setattr(htp, "OP_TOLERANCE_BITS", {"reduced": 6, "other": 8})  # 16-bit grids 4x looser
+    loose = evaluate.perturbation_bound(graph, model, feeds, seed=0)
+    assert loose["bound"] > 1.5 * first["bound"], (loose, first)
 
 
 @pytest.mark.slow
