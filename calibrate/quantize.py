@@ -148,7 +148,8 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     # The rewrite adds only nodes and scalar initializers: the graph is read and written without
     # its weights, which stay where the quantizer wrote them (reading them back, copying the model
     # and saving it again held three more copies: 12.9 GB at E2B size).
-    model = neg_mirrors_its_input(matmul_second_input_uint8(onnx.load(str(out), load_external_data=False)))
+    model = onnx.load(str(out), load_external_data=False)
+    model = matmul_second_input_uint8(concat_holds_its_inputs(neg_mirrors_its_input(model)))
     onnx.save_model(model, str(out))
     onnx.checker.check_model(str(out), full_check=True)
     return out
@@ -384,6 +385,52 @@ def neg_mirrors_its_input(model: onnx.ModelProto) -> onnx.ModelProto:
         for n in [q, *consumers.get(q.output[0], [])]:
             if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
                 n.input[1], n.input[2] = scale, mirrored
+    _prune_unused_initializers(g)
+    return m
+
+
+def concat_holds_its_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every Concat of uint16 activations whose output grid does not hold all of its inputs' grids
+    gets one that does (`hyco.grids.uint16_grid` over their union). A calibrated output grid holds
+    only the values seen: a KV ring's grid reaches 1.2 x its p99.9 while the calibration passes'
+    rings stayed inside, so the CPU clipped later ring values the HTP, which requantizes each input
+    its own way, did not (2,394 output codes apart on a distilled tree graph)."""
+    from hyco.grids import grid_range, uint16_grid
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inits = _inits(m)
+    producer = {o: n for n in g.node for o in n.output}
+    consumers = graph_consumers(g)
+
+    def grid(node) -> dict | None:
+        zero = inits.get(node.input[2]) if len(node.input) > 2 else None
+        if zero is None or zero.data_type != TensorProto.UINT16 or node.input[1] not in inits:
+            return None
+        return {"dtype": "uint16", "scale": float(numpy_helper.to_array(inits[node.input[1]])),
+                "zero_point": int(numpy_helper.to_array(zero))}
+
+    for node in g.node:
+        qs = consumers.get(node.output[0], [])
+        if node.op_type != "Concat" or len(qs) != 1 or qs[0].op_type != "QuantizeLinear" or grid(qs[0]) is None:
+            continue
+        dqs = [producer.get(x) for x in node.input]
+        if not all(d is not None and d.op_type == "DequantizeLinear" and grid(d) for d in dqs):
+            continue
+        ranges = [grid_range(grid(d)) for d in dqs]
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        out_lo, out_hi = grid_range(grid(qs[0]))
+        if out_lo <= lo and out_hi >= hi:
+            continue
+        scale, zero = uint16_grid(min(lo, out_lo), max(hi, out_hi))
+        q = qs[0]
+        s_name, z_name = q.output[0] + "_holding_scale", q.output[0] + "_holding_zero"
+        g.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), s_name),
+                              numpy_helper.from_array(np.array(zero, np.uint16), z_name)])
+        for n in [q, *consumers.get(q.output[0], [])]:
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                n.input[1], n.input[2] = s_name, z_name
     _prune_unused_initializers(g)
     return m
 

@@ -203,3 +203,19 @@ def test_epsilon_rule_is_lossy_and_the_test_sees_it():
     counts = committed_pair_distribution(tree, probs, epsilon=0.005, n=n, seed=0)
     assert chi_square_p_value(counts, model_pair_probs(tree, probs), n) < 1e-6
     assert math.isclose(sum(counts.values()), n)
+
+
+def test_keyed_samples_depend_only_on_the_distribution_seed_and_position():
+    """The same (seed, position) draws the same token from the same row whatever the other rows of
+    the call; over many positions the draws follow the row's distribution."""
+    from hyco.runtime_check.acceptance import keyed_samples
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    alone = keyed_samples(probs[None], [17], seed=3)
+    among = keyed_samples(torch.stack([probs.flip(0), probs, probs]), [4, 17, 90], seed=3)
+    assert int(alone[0]) == int(among[1])
+    assert not torch.equal(keyed_samples(probs.expand(64, 4), list(range(64)), seed=3),
+                           keyed_samples(probs.expand(64, 4), list(range(64)), seed=4))
+    draws = keyed_samples(probs.expand(4000, 4), list(range(4000)), seed=0)
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq

@@ -151,13 +151,13 @@ def _tampered(bundle: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def _smoke_cli(bundle: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hyco.cli", "smoke", str(bundle), "--prompts", "1", "--rounds", "1"],
-                          capture_output=True, text=True, timeout=300)
+def _smoke_cli(bundle: Path, verifier: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyco.cli", "smoke", str(bundle), "--verifier", str(verifier),
+                           "--prompts", "1", "--rounds", "1"], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
-def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, tmp_path):
+def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, tiny_family, tmp_path):
     from hyco.artifacts import sha256_file
 
     bundle, _ = tiny_export
@@ -168,13 +168,13 @@ def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, 
     data = bytearray((flipped / binary).read_bytes())
     data[len(data) // 2] ^= 0x01
     (flipped / binary).write_bytes(bytes(data))
-    done = _smoke_cli(flipped)
+    done = _smoke_cli(flipped, tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert str(flipped / binary) in done.stderr and "sha256" in done.stderr
 
     no_lut = _tampered(bundle, tmp_path / "lut")
     (no_lut / "luts" / "embed_tokens.safetensors").unlink()
-    done = _smoke_cli(no_lut)
+    done = _smoke_cli(no_lut, tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "embed_tokens.safetensors" in done.stderr
 
@@ -189,7 +189,7 @@ def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, 
     meta_w["files"]["io_spec.json"] = {"bytes": (wrong / "io_spec.json").stat().st_size,
                                        "sha256": sha256_file(wrong / "io_spec.json")}
     (wrong / "bundle.json").write_text(json.dumps(meta_w))
-    done = _smoke_cli(wrong)
+    done = _smoke_cli(wrong, tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "io_spec.json" in done.stderr and binary in done.stderr and tree["inputs"][0]["name"] in done.stderr
 
@@ -246,7 +246,7 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
 
     calls = []
 
-    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out):
+    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out, named_as):
         calls.append({"bundle_json": (bundle / "bundle.json").is_file(), "verifier": verifier, "prompts": prompts,
                       "rounds": rounds, "tolerance": tolerance, "isolate": isolate, "out": out.name})
         out.mkdir(parents=True)
@@ -296,6 +296,6 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert len(tree["parts"][0]["qnn_graphs"]) == 2 and not meta["graphs"]["mtp_step"]["shared_context"]
     shared_bytes = tree["parts"][0]["binary_bytes"]
     assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
-    done = _smoke_cli(out / "bundle")
+    done = _smoke_cli(out / "bundle", tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cannot load a shared" in done.stderr
     print(f"shared tree+prefill context: {shared_bytes} B")

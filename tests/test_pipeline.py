@@ -64,9 +64,13 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
         assert f'"{name}"' in text
     # the check ran the phone's drafters on the integer graphs, as the tiny recipe asks
     assert "onnxruntime" in text
-    # and says whether the exact configurations decoded losslessly (greedy, against `generate`)
+    # and says whether the exact configurations decoded losslessly (keyed sampling, against the
+    # verifier's own text), on prompts chosen by that text's statistics, which it reports
     assert set(check["lossless"]) == {"hyco-exact", "cloud-mtp"}
     assert all(v["equal"] is True and v["tokens_compared"] > 0 for v in check["lossless"].values())
+    selection = check["settings"]["prompt_selection"]
+    assert sum(r["chosen"] for r in selection) == check["settings"]["prompts"] and len(selection) >= 2
+    assert "## Prompts" in (run_dir / "check" / "report.md").read_text()
 
 
 def test_rerun_skips_and_a_changed_section_rebuilds(run_dir, capsys):
