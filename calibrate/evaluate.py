@@ -106,8 +106,8 @@ def perturbed_model(model, seed: int):
     """`model` with every activation's codes moved by an independent random integer in [-T, T]
     (T = `htp.op_tolerance` of its grid) after each QuantizeLinear, element by element, seeded per
     tensor: another integer implementation of the graph within the per-op tolerance everywhere.
-    (A shift shared by a whole tensor is within it too, but no kernel rounds a Softmax's every
-    output up by 256 codes: such shifts moved the distilled tree graph's log-probs by 4.8 nats.)"""
+    (A shift shared by a whole tensor is within it too, but no kernel rounds every output of a
+    Softmax up by 256 codes: such shifts made a bound too loose to say anything.)"""
     import onnx
     from hyco.calibrate.htp import activation_taps, op_tolerance
     from onnx import helper, numpy_helper
@@ -172,8 +172,8 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
 
 
 # Independent draws within the tolerance reach less than the HTP's structured deviations do (its
-# MatMuls round alike on every row): on a peaky, undistilled family the HTP's own difference reached
-# 1.02 of the largest random one. The bound keeps a factor of 2 over the random figure.
+# MatMuls round alike on every row; on a peaky, undistilled family the HTP's own difference came
+# level with the largest random one): the bound keeps a factor of 2 over the random figure.
 BOUND_FACTOR = 2.0
 
 

@@ -358,81 +358,73 @@ def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
 def neg_mirrors_its_input(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every Neg between a uint16 DequantizeLinear and QuantizeLinear gets its input's grid mirrored
     (same scale, zero point 65535 - z): -s (c - z) = s ((65535 - c) - (65535 - z)), so the Neg is
-    exact. A calibrated grid of its own clipped the negated values it had not seen, and the HTP,
-    which folds a Neg into the Concat that reads it (rotary's rotate-half), did not clip them:
-    1,691 output codes apart on a peaky checkpoint."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-    inits = _inits(m)
-    producer = {o: n for n in g.node for o in n.output}
-    consumers = graph_consumers(g)
-    for node in g.node:
+    exact. A calibrated grid of its own clipped negated values it had not seen, which the HTP,
+    folding the Neg into the Concat that reads it (rotary's rotate-half), did not clip."""
+    m, inits, producer, consumers = _graph_maps(model)
+    for node in m.graph.node:
         if node.op_type != "Neg":
             continue
         dq = producer.get(node.input[0])
-        qs = consumers.get(node.output[0], [])
-        if dq is None or dq.op_type != "DequantizeLinear" or len(qs) != 1 or qs[0].op_type != "QuantizeLinear":
-            continue
-        zero = inits.get(dq.input[2]) if len(dq.input) > 2 else None
-        if zero is None or zero.data_type != TensorProto.UINT16:
-            continue
-        q = qs[0]
-        scale, mirrored = q.output[0] + "_mirror_scale", q.output[0] + "_mirror_zero"
-        g.initializer.extend([numpy_helper.from_array(numpy_helper.to_array(inits[dq.input[1]]).copy(), scale),
-                              numpy_helper.from_array(np.array(65535 - int(numpy_helper.to_array(zero)), np.uint16),
-                                                      mirrored)])
-        for n in [q, *consumers.get(q.output[0], [])]:
-            if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-                n.input[1], n.input[2] = scale, mirrored
-    _prune_unused_initializers(g)
+        q = _single_quantize(consumers.get(node.output[0], []))
+        grid = _uint16_grid_of(dq, inits) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        if q is not None and grid is not None:
+            _regrid(m.graph, q, consumers, grid["scale"], 65535 - grid["zero_point"], "_mirror")
+    _prune_unused_initializers(m.graph)
     return m
 
 
 def concat_holds_its_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every Concat of uint16 activations whose output grid does not hold all of its inputs' grids
     gets one that does (`hyco.grids.uint16_grid` over their union). A calibrated output grid holds
-    only the values seen: a KV ring's grid reaches 1.2 x its p99.9 while the calibration passes'
-    rings stayed inside, so the CPU clipped later ring values the HTP, which requantizes each input
-    its own way, did not (2,394 output codes apart on a distilled tree graph)."""
+    only the values seen, so the CPU clipped input values (a KV ring's, whose grid reaches beyond
+    the calibration passes' rings) that the HTP, requantizing each input its own way, did not."""
     from hyco.grids import grid_range, uint16_grid
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-    inits = _inits(m)
-    producer = {o: n for n in g.node for o in n.output}
-    consumers = graph_consumers(g)
-
-    def grid(node) -> dict | None:
-        zero = inits.get(node.input[2]) if len(node.input) > 2 else None
-        if zero is None or zero.data_type != TensorProto.UINT16 or node.input[1] not in inits:
-            return None
-        return {"dtype": "uint16", "scale": float(numpy_helper.to_array(inits[node.input[1]])),
-                "zero_point": int(numpy_helper.to_array(zero))}
-
-    for node in g.node:
-        qs = consumers.get(node.output[0], [])
-        if node.op_type != "Concat" or len(qs) != 1 or qs[0].op_type != "QuantizeLinear" or grid(qs[0]) is None:
+    m, inits, producer, consumers = _graph_maps(model)
+    for node in m.graph.node:
+        q = _single_quantize(consumers.get(node.output[0], []))
+        if node.op_type != "Concat" or q is None or _uint16_grid_of(q, inits) is None:
             continue
         dqs = [producer.get(x) for x in node.input]
-        if not all(d is not None and d.op_type == "DequantizeLinear" and grid(d) for d in dqs):
+        grids = [_uint16_grid_of(d, inits) if d is not None and d.op_type == "DequantizeLinear" else None for d in dqs]
+        if not all(grids):
             continue
-        ranges = [grid_range(grid(d)) for d in dqs]
+        ranges = [grid_range(g) for g in grids]
         lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
-        out_lo, out_hi = grid_range(grid(qs[0]))
-        if out_lo <= lo and out_hi >= hi:
-            continue
-        scale, zero = uint16_grid(min(lo, out_lo), max(hi, out_hi))
-        q = qs[0]
-        s_name, z_name = q.output[0] + "_holding_scale", q.output[0] + "_holding_zero"
-        g.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), s_name),
-                              numpy_helper.from_array(np.array(zero, np.uint16), z_name)])
-        for n in [q, *consumers.get(q.output[0], [])]:
-            if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-                n.input[1], n.input[2] = s_name, z_name
-    _prune_unused_initializers(g)
+        out_lo, out_hi = grid_range(_uint16_grid_of(q, inits))
+        if out_lo > lo or out_hi < hi:
+            _regrid(m.graph, q, consumers, *uint16_grid(min(lo, out_lo), max(hi, out_hi)), "_holding")
+    _prune_unused_initializers(m.graph)
     return m
+
+
+def _graph_maps(model: onnx.ModelProto):
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    return m, _inits(m), {o: n for n in m.graph.node for o in n.output}, graph_consumers(m.graph)
+
+
+def _single_quantize(readers: list) -> onnx.NodeProto | None:
+    return readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
+
+
+def _uint16_grid_of(node: onnx.NodeProto, inits: dict) -> dict | None:
+    """A Quantize/DequantizeLinear's uint16 grid; None for another type or a non-constant one."""
+    zero = inits.get(node.input[2]) if len(node.input) > 2 else None
+    if zero is None or zero.data_type != TensorProto.UINT16 or node.input[1] not in inits:
+        return None
+    return {"dtype": "uint16", "scale": float(numpy_helper.to_array(inits[node.input[1]])),
+            "zero_point": int(numpy_helper.to_array(zero))}
+
+
+def _regrid(graph: onnx.GraphProto, q: onnx.NodeProto, consumers: dict, scale: float, zero: int, tag: str) -> None:
+    """`q` and the DequantizeLinears reading it move to the grid (scale, zero) (new initializers)."""
+    s_name, z_name = q.output[0] + tag + "_scale", q.output[0] + tag + "_zero"
+    graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), s_name),
+                              numpy_helper.from_array(np.array(zero, np.uint16), z_name)])
+    for n in [q, *consumers.get(q.output[0], [])]:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            n.input[1], n.input[2] = s_name, z_name
 
 
 def _prune_unused_initializers(graph: onnx.GraphProto) -> None:

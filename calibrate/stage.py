@@ -230,11 +230,10 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
         # onnxruntime gives a Transpose's output its input's grid, hence the convert in front).
         # The ring's 16-bit twin gets the grid every uint8 code lands on exactly (scale / 256, zero
         # point 256 x 128), not a calibrated one: a calibrated twin spans only the ring values seen
-        # in calibration, so the CPU EP clipped later ring values (code 229 of 255 read as 2.48
-        # instead of 2.58) where the HTP, which converts the uint8 codes straight into its Concat,
-        # did not: 1,100 output codes apart on those elements. This pass's own rows get the same
-        # twin grid: a calibrated one clipped a new V row at 2.30 on the CPU where the HTP, which
-        # folds the Transpose in front of the Concat, kept 2.50 (2,355 codes apart).
+        # in calibration, so the CPU EP clipped later ring values where the HTP, which converts the
+        # uint8 codes straight into its Concat, did not. This pass's own rows get the same twin
+        # grid: a calibrated one clipped a new row on the CPU that the HTP, folding the Transpose in
+        # front of the Concat, kept.
         twin = {"quant_type": QuantType.QUInt16, "scale": np.array(scale / 256.0, np.float32),
                 "zero_point": np.array(256 * zero, np.uint16)}
         out_node = producer[new]

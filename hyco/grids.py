@@ -3,8 +3,8 @@ that choose them (qat's step graph inputs, calibrate's boundary overrides) and t
 feeds a graph's float inputs.
 
 Why a grid must hold the ends of its range: a graph input quantized on the HTP does not saturate.
-A value above the grid's top wraps around (cos = 1.0 on a grid topping out at 0.99997 came back
-as code 0, i.e. -1.0, on the simulator), where onnxruntime's QuantizeLinear clamps. So an input
+A value above the grid's top wraps around (cos = 1.0, just above a calibrated grid's top, came
+back as -1.0 on the simulator), where onnxruntime's QuantizeLinear clamps. So an input
 whose range is known by construction (rotary tables, LUT rows, masks) gets a grid that holds that
 whole range, and the host clamps every float input to its grid before a pass (`clamp_to_grid`), so
 a value beyond a calibrated range (the MTP's hidden state above its p99.99) saturates on both.
@@ -23,8 +23,8 @@ UINT16_TOP = 65535
 def uint16_grid(lo: float, hi: float) -> tuple[float, int]:
     """(scale, zero_point) of a uint16 grid on which every value of [lo, hi] (widened to hold 0)
     lies, both ends included, in float32 as QuantizeLinear computes: the zero point is rounded up
-    (onnxruntime rounds it to nearest, which can leave the top half a step outside: [-1, 1] got
-    a top of 0.99997) and the scale then grown until the top is reached."""
+    (onnxruntime rounds it to nearest, which can leave the top half a step outside, as it does for
+    [-1, 1]) and the scale then grown until the top is reached."""
     lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
     scale = max(hi - lo, 1e-8) / UINT16_TOP
     zero = min(UINT16_TOP, math.ceil(-lo / scale - 1e-9)) if lo < 0 else 0
