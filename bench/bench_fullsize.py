@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("vocab", "convert", "qat", "calibrate", "export")
+STAGES = ("vocab", "answers", "convert", "qat", "calibrate", "export")
 MODELS = ("tokenizer", "slm", "verifier", "assistant")
 # A few steps and prompts: the dry run measures plumbing, time, memory and sizes, not accuracy.
 PLUMBING = (
     "convert.parity=false",  # traced parity on a 35-layer E2B is minutes of transformers on the CPU
-    "qat.steps=3", "qat.warmup_steps=1", "qat.max_new_tokens_train=32", "qat.max_new_tokens_eval=32",
-    "qat.max_prompt_tokens=64", "qat.calibration_sequences=2",
+    "qat.steps=3", "qat.warmup_steps=1", "answers.max_new_tokens_train=32", "answers.max_new_tokens_eval=32",
+    "answers.max_prompt_tokens=64", "qat.calibration_sequences=2",
     "answers.source=corpus",  # a random verifier's greedy text is degenerate
     "calibrate.prompts=2", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=24", "calibrate.max_passes=8",
     "calibrate.sqnr_passes=2", "calibrate.htp_check=false",  # the HTP simulator: ~1 min per pass at full size

@@ -22,8 +22,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "(AIMET 1.0.0 layout), report.json (fidelity on the eval prompts, HTP acceptance, simulator vs CPU), "
         "summary.md and sqnr.png into --out.")
     p.add_argument("--convert", required=True, help="convert stage output folder")
-    p.add_argument("--qat", required=True, help="qat stage output folder (mtp_step.onnx, answers.jsonl, captures/)")
+    p.add_argument("--qat", required=True, help="qat stage output folder (mtp_step.onnx, captures/)")
     p.add_argument("--vocab", required=True, help="vocab stage output folder (keep_set.json)")
+    p.add_argument("--answers", required=True, help="answers stage output folder (answers.jsonl)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--prompts", type=int, default=_DEFAULT.prompts, help="train answers to calibrate on")
     p.add_argument("--eval-prompts", type=int, default=_DEFAULT.eval_prompts, help="eval answers for the figures")
@@ -48,7 +49,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                                      htp_check=not args.no_htp_check)
     except ValueError as e:
         raise HycoError(str(e)) from None
-    paths = {"convert": Path(args.convert), "qat": Path(args.qat), "vocab": Path(args.vocab)}
+    paths = {"convert": Path(args.convert), "qat": Path(args.qat), "vocab": Path(args.vocab),
+             "answers": Path(args.answers)}
     manifest = run_stage("calibrate", Path(args.out), {"calibrate": to_dict(config)}, paths,
                          lambda tmp: calibrate(**paths, out=tmp, config=config), force=args.force)
     s = manifest["summary"]

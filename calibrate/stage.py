@@ -68,7 +68,7 @@ def _manifest_tokenizer(folder: Path) -> Path | None:
     return Path(value) if value else None
 
 
-def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
+def check_inputs(convert: Path, qat: Path, vocab: Path, answers: Path) -> dict[str, Any]:
     """Every file the stage reads, checked before anything is written: present, one keep set,
     one tokenizer family. Returns the parsed pieces."""
     from hyco.vocab.keepset import load_keep_set
@@ -76,7 +76,7 @@ def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
     from hyco.answers import ANSWERS, read_answers
     from hyco.io_spec import read_io_spec
 
-    convert, qat, vocab = Path(convert), Path(qat), Path(vocab)
+    convert, qat, vocab, answers_dir = Path(convert), Path(qat), Path(vocab), Path(answers)
     c_specs = read_io_spec(_need(convert / "io_spec.json", "convert's io_spec"))
     for name in SLM_GRAPHS.values():
         if name not in c_specs:
@@ -87,7 +87,7 @@ def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
         raise HycoError(f"{qat / 'io_spec.json'}: no graph {MTP_GRAPH}")
     _need(qat / MTP_GRAPH, "qat step graph")
     _need(qat / "encodings.json", "qat encodings (the MTP inputs' ranges)")
-    answers = read_answers(qat / ANSWERS)
+    answers = read_answers(answers_dir / ANSWERS)
     keep = load_keep_set(_need(vocab / "keep_set.json", "keep set"))
     # one tokenizer family: the keep set's tokenizer hash against each stage's tokenizer
     for folder in (convert, qat):
@@ -118,10 +118,10 @@ def check_inputs(convert: Path, qat: Path, vocab: Path) -> dict[str, Any]:
     top = max((max(a["prompt_ids"] + a["answer_ids"], default=0) for a in answers), default=0)
     if top >= vocab_rows or keep_ids[-1] >= vocab_rows:
         raise HycoError(f"{convert / 'luts' / 'embed_tokens.safetensors'}: {vocab_rows} token rows, but the answers "
-                        f"({qat / ANSWERS}) or keep set reach token {max(top, int(keep_ids[-1]))}: another tokenizer family")
+                        f"({answers_dir / ANSWERS}) or keep set reach token {max(top, int(keep_ids[-1]))}: another tokenizer family")
     for split in ("train", "eval"):
         if not any(a["split"] == split and a["answer_ids"] for a in answers):
-            raise HycoError(f"{qat / ANSWERS}: no non-empty {split} answers")
+            raise HycoError(f"{answers_dir / ANSWERS}: no non-empty {split} answers")
     return {"convert_specs": c_specs, "qat_specs": q_specs, "answers": answers, "keep_ids": keep_ids, "lut": lut}
 
 
@@ -466,7 +466,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
 # --- the stage ---------------------------------------------------------------------------------
 
 
-def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: CalibrateConfig,
+def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path, config: CalibrateConfig,
               allow_proof_failure: bool = False) -> dict[str, Any]:
     """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
@@ -477,9 +477,10 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, out: Path, config: Calib
     phase = Phases("calibrate")
     return_large_blocks()  # sessions, passes and graphs come and go: freed GBs leave RSS
     convert, qat, vocab, out = Path(convert), Path(qat), Path(vocab), Path(out)
-    inputs = check_inputs(convert, qat, vocab)  # before anything is written
+    inputs = check_inputs(convert, qat, vocab, answers)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"convert": str(convert), "qat": str(qat), "vocab": str(vocab), "config": to_dict(config),
+    report: dict[str, Any] = {"convert": str(convert), "qat": str(qat), "vocab": str(vocab), "answers": str(answers),
+                              "config": to_dict(config),
                               "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
     from hyco.answers import answer_stats
 
@@ -732,14 +733,14 @@ def section(recipe: Recipe) -> dict[str, Any]:
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     run_dir = Path(run_dir)
-    for stage in ("convert", "qat", "vocab"):
+    stages = ("convert", "qat", "vocab", "answers")
+    for stage in stages:
         if stage not in recipe.stages:
             raise HycoError(f"the calibrate stage needs the {stage} stage in the recipe's stages, but got "
                             f"{list(recipe.stages)}")
-    return {"convert": run_dir / "convert", "qat": run_dir / "qat", "vocab": run_dir / "vocab"}
+    return {stage: run_dir / stage for stage in stages}
 
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
-    return calibrate(convert=paths["convert"], qat=paths["qat"], vocab=paths["vocab"], out=out,
-                     config=recipe.calibrate, allow_proof_failure=recipe.allow_parity_failure)
+    return calibrate(**paths, out=out, config=recipe.calibrate, allow_proof_failure=recipe.allow_parity_failure)

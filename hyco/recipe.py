@@ -21,7 +21,7 @@ import yaml
 from hyco.errors import HycoError
 
 RECIPE_VERSION = 1
-STAGE_ORDER = ("fixtures", "vocab", "convert", "qat", "calibrate", "export", "check")
+STAGE_ORDER = ("fixtures", "vocab", "answers", "convert", "qat", "calibrate", "export", "check")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -94,16 +94,21 @@ class VocabConfig:
 class AnswersConfig:
     """Where the answers to the reserved prompts come from (hyco/answers.py): the verifier's
     greedy text (the paper), its text sampled at `temperature` / `top_k` / `top_p`, or the
-    conversations' own first assistant turns, teacher-forced. qat trains on them, calibrate
-    reads qat's copy."""
+    conversations' own first assistant turns, teacher-forced. The answers stage writes them once;
+    qat trains on them, calibrate calibrates on them."""
 
     source: Literal["greedy", "sampled", "corpus"] = "greedy"
     temperature: float = 1.0
     top_k: int = 64
     top_p: float = 0.95
     seed: int = 0
+    max_new_tokens_train: int = 1_024
+    max_new_tokens_eval: int = 512
+    max_prompt_tokens: int = 1_024  # prompts are cut to their last tokens (the phone's prefill limit)
 
     def __post_init__(self):
+        for name in ("max_new_tokens_train", "max_new_tokens_eval", "max_prompt_tokens"):
+            _require(getattr(self, name) >= 1, f"answers.{name} must be >= 1, but got {getattr(self, name)}")
         _require(self.temperature > 0, f"answers.temperature must be > 0, but got {self.temperature}")
         _require(self.top_k >= 0, f"answers.top_k must be >= 0 (0: off), but got {self.top_k}")
         _require(0 < self.top_p <= 1, f"answers.top_p must be in (0, 1], but got {self.top_p}")
@@ -141,7 +146,7 @@ class ConvertConfig:
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    prompts: int = 60  # reserved train answers (qat/answers.jsonl) driven for calibration
+    prompts: int = 60  # reserved train answers (answers/answers.jsonl) driven for calibration
     eval_prompts: int = 60  # reserved eval answers for the fidelity figures (never calibrated on)
     activation_bits: Literal[8, 16] = 16
     activation_calibration: Literal["minmax", "percentile"] = "minmax"
@@ -200,13 +205,10 @@ class QatConfig:
     clip_ratio_min: float = 0.6
     bf16_autocast: bool = False  # GPUs only: this CPU runs bf16 ~5x slower than fp32
     capture_point: Literal["after_norm", "before_norm"] = "after_norm"  # transformers' reference
-    max_new_tokens_train: int = 1_024
-    max_new_tokens_eval: int = 512
     window: int = 1_024
     input_percentile: float = 99.99
     topk: int = 8
     seed: int = 0
-    max_prompt_tokens: int = 1_024  # prompts are cut to their last tokens (the phone's prefill limit)
     calibration_sequences: int = 8  # train captures for the 16-bit activation encodings
     mask_negative: float = -50.0  # the step graph's additive mask (shares Softmax's 16-bit range)
 
@@ -218,9 +220,6 @@ class QatConfig:
         _require(self.topk >= 1, f"qat.topk must be >= 1, but got {self.topk}")
         _require(50.0 < self.input_percentile <= 100.0, f"qat.input_percentile must be in (50, 100], but got {self.input_percentile}")
         _require(self.mask_negative < 0, f"qat.mask_negative must be < 0, but got {self.mask_negative}")
-        _require(self.max_new_tokens_train >= 1, f"qat.max_new_tokens_train must be >= 1, but got {self.max_new_tokens_train}")
-        _require(self.max_new_tokens_eval >= 1, f"qat.max_new_tokens_eval must be >= 1, but got {self.max_new_tokens_eval}")
-        _require(self.max_prompt_tokens >= 1, f"qat.max_prompt_tokens must be >= 1, but got {self.max_prompt_tokens}")
         _require(self.calibration_sequences >= 1, f"qat.calibration_sequences must be >= 1, but got {self.calibration_sequences}")
         _require(self.lr > 0, f"qat.lr must be > 0, but got {self.lr}")
         _require(0 < self.clip_ratio_min <= self.clip_ratio_max <= 1.0,
@@ -244,7 +243,7 @@ class ExportConfig:
     smoke_prompts: int = 2  # the stage ends with a smoke run on the bundle (0: none)
     smoke_rounds: int = 3
     # smoke: HTP vs CPU top-k log-probs; None: each graph's own bound from calibrate (io_spec's
-    # htp_logprob_bound = the QDQ graph's top-k log-prob error vs its float graph on the eval prompts)
+    # htp_logprob_bound: the per-op tolerance carried through the graph, calibrate/evaluate.py)
     logprob_tolerance: float | None = None
     isolate: bool = True  # smoke/check: each HTP context in its own worker process (results leak between sessions)
     # HTP graph finalization: 0 = QNN's default (what ships); 1 compiles ~3x faster into a less

@@ -24,6 +24,7 @@ from hyco.recipe import STAGE_ORDER, Recipe
 STAGES: dict[str, str] = {
     "fixtures": "hyco.fixtures.stage",
     "vocab": "hyco.vocab.stage",
+    "answers": "hyco.answers.stage",
     "convert": "hyco.convert.stage",
     "qat": "hyco.qat.stage",
     "export": "hyco.export.stage",  # its cli.py also adds `hyco-convert smoke`

@@ -1,10 +1,9 @@
 """The qat stage: 4-bit KL QAT of the MTP head, W4/W8 PTQ baselines, the static MTP Drafter.
 
-`build_qat(verifier=..., assistant=..., tokenizer=..., vocab=..., config=..., out=...)` is the
-whole stage as a keyword-only function; the pipeline (`inputs`/`build`) and the CLI
-(`qat/cli.py`) wrap it. Flow: answers to vocab/'s reserved prompts (hyco/answers.py; greedy as the
-paper, sampled, or the corpus's own, per recipe section `answers`) ->
-teacher-forced captures (safetensors shards) -> QuantSim student (clip-searched 4-bit
+`build_qat(verifier=..., assistant=..., tokenizer=..., vocab=..., answers=..., config=..., out=...)`
+is the whole stage as a keyword-only function; the pipeline (`inputs`/`build`) and the CLI
+(`qat/cli.py`) wrap it. Flow: the answers stage's text (the verifier's answers to vocab/'s reserved
+prompts) -> teacher-forced captures (safetensors shards) -> QuantSim student (clip-searched 4-bit
 weights, 16-bit activations) -> W4 PTQ / W8 PTQ / W4 QAT agreement with the float head ->
 head_w4.safetensors, encodings.json, mtp_step.onnx (+ the float twin), embed_lut, io_spec.
 """
@@ -23,7 +22,7 @@ import torch
 from hyco.artifacts import Phases, declare_nondeterministic, markdown_table, write_json
 from hyco.errors import HycoError, ProofFailed
 from hyco.heap import release_free_heap
-from hyco.recipe import AnswersConfig, QatConfig, Recipe, to_dict
+from hyco.recipe import QatConfig, Recipe, to_dict
 
 CAPTURES = "captures"
 LINEAR_FORMAT = "int4 values stored in int8 [out, in], float32 scale [out] per output channel, symmetric"
@@ -80,20 +79,27 @@ def input_ranges(captures, teacher, sliding_window: int, percentile: float, devi
     return out
 
 
-def make_answers(verifier, tokenizer, prompts, answers: AnswersConfig, config: QatConfig, out: Path):
-    """The answers qat trains and evaluates on, written to OUT/answers.jsonl and answers.json."""
-    from hyco.answers import generate_answers, write_answers
+def read_answer_folder(folder: Path, tokenizer) -> tuple[list[dict], dict[str, Any]]:
+    """The answers stage's records and report, checked: both splits present, every token id
+    inside the tokenizer's vocabulary (answers written with another tokenizer are refused)."""
+    from hyco.answers import ANSWERS, ANSWERS_REPORT, read_answers
+    from hyco.artifacts import read_json
 
-    lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
-    records = list(generate_answers(verifier, tokenizer, prompts, source=answers.source, max_new_tokens=lengths,
-                                    max_prompt_tokens=config.max_prompt_tokens, temperature=answers.temperature,
-                                    top_k=answers.top_k, top_p=answers.top_p, seed=answers.seed))
-    settings = {**to_dict(answers), "max_new_tokens": lengths, "max_prompt_tokens": config.max_prompt_tokens}
-    return write_answers(out, records, settings, tokenizer), records
+    records = read_answers(folder / ANSWERS)
+    report = read_json(folder / ANSWERS_REPORT, ANSWERS_REPORT)
+    for split in ("train", "eval"):
+        if not any(a["split"] == split for a in records):
+            raise HycoError(f"{folder / ANSWERS}: no {split} answers (vocab's reserved prompts have both splits)")
+    top = max(max(a["prompt_ids"] + a["answer_ids"], default=0) for a in records)
+    if top >= len(tokenizer):
+        raise HycoError(f"{folder / ANSWERS}: token id {top} is outside the tokenizer's {len(tokenizer)} ids "
+                        "(answers from another tokenizer)")
+    return records, report
 
 
-def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, config: QatConfig,
-              out: Path, answers: AnswersConfig | None = None, allow_parity_failure: bool = False) -> dict[str, Any]:
+def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, answers: Path, config: QatConfig,
+              out: Path, allow_parity_failure: bool = False) -> dict[str, Any]:
+    """`answers`: the answers stage's folder (the text the head trains and is evaluated on)."""
     from hyco.qat.capture import CaptureSet, capture_answers
     from hyco.qat.embed_lut import EMBED_LUT, write_embed_lut
     from hyco.qat.evaluate import agreement
@@ -107,7 +113,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         recalibrate_activations,
     )
     from hyco.qat.train import model_inputs, train_student
-    from hyco.vocab.keepset import load_keep_set, load_prompts
+    from hyco.vocab.keepset import load_keep_set
 
     from hyco.loading import load_tokenizer
 
@@ -123,9 +129,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         raise HycoError(f"tokenizer not found: {tok_dir / 'tokenizer.json'}")
     tok = load_tokenizer(tok_dir)
     keep = load_keep_set(vocab, tok)
-    prompts = load_prompts(vocab)
-    if not any(p["split"] == "train" for p in prompts) or not any(p["split"] == "eval" for p in prompts):
-        raise HycoError(f"{vocab}/prompts.jsonl: needs reserved prompts of both splits (train and eval)")
+    answers, answer_report = read_answer_folder(Path(answers), tok)
     from hyco.qat.mtp import require_plain_output_layer
 
     from hyco.loading import load_config
@@ -144,10 +148,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
     sliding_window = h_cfg.get_text_config().sliding_window
 
-    # 1. answers (hyco/answers.py: answers.jsonl + answers.json, also read by calibrate) and captures
-    answers_cfg = answers or AnswersConfig()
-    with phase("answers"):
-        answer_report, answers = make_answers(ver, tok, prompts, answers_cfg, config, out)
+    # 1. the answers stage's text, teacher-forced through the verifier: captures
     with phase("captures"):
         rows = capture_answers(ver, answers, out / CAPTURES, config.capture_point)
     write_json(out / CAPTURES / "captures.json", {"capture_point": config.capture_point, "shards": rows})
@@ -525,7 +526,7 @@ def write_summary(path: Path, report: dict, bits: int) -> None:
            f"top-k ids equal {par['step_graph_proof']['topk_ids_equal']:.0%} "
            f"(tolerance {par['step_graph_proof']['tolerance']:g}).\n\n"
            "Files: head_w4.safetensors, encodings.json, mtp_step.onnx (INT4 weights, uint16 input QDQ), "
-           "mtp_step.float.onnx, embed_lut.safetensors, io_spec.json, answers.jsonl, answers.json, captures/, loss.png, agreement.png.\n")
+           "mtp_step.float.onnx, embed_lut.safetensors, io_spec.json, captures/, loss.png, agreement.png.\n")
     a = report["answers"]
     md += "\nAnswers (" + a["source"] + "): " + "; ".join(
         f"{split} {s['tokens']} tokens, {s['distinct_tokens']} distinct, top token {s['top_share']:.0%}"
@@ -538,7 +539,7 @@ def write_summary(path: Path, report: dict, bits: int) -> None:
 
 
 def section(recipe: Recipe) -> dict[str, Any]:
-    return {"qat": to_dict(recipe.qat), "answers": to_dict(recipe.answers)}
+    return {"qat": to_dict(recipe.qat)}
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
@@ -546,10 +547,14 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     for name, p in paths.items():
         if p is None:
             raise HycoError(f"models.{name} must name a folder for the qat stage, but got null")
-    paths["vocab"] = Path(run_dir) / "vocab"
+    for stage in ("vocab", "answers"):
+        if stage not in recipe.stages:
+            raise HycoError(f"the qat stage needs the {stage} stage's outputs; add {stage} to the recipe's stages, but "
+                            f"got {list(recipe.stages)}")
+        paths[stage] = Path(run_dir) / stage
     return paths
 
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
-    return build_qat(**inputs(recipe, run_dir), config=recipe.qat, out=out, answers=recipe.answers,
+    return build_qat(**inputs(recipe, run_dir), config=recipe.qat, out=out,
                      allow_parity_failure=recipe.allow_parity_failure)

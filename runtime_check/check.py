@@ -38,7 +38,7 @@ def load_model(path: Path, what: str):
 
 
 def _first_user(turns) -> list[str]:
-    """The first non-empty user turn (as qat's answers take it; a system turn may come first)."""
+    """The first non-empty user turn (as the answers stage takes it; a system turn may come first)."""
     return next(([text] for role, text in turns if role in ("user", "human") and text.strip()), [])
 
 

@@ -94,7 +94,7 @@ def _calibrated_run(family: dict, run_dir: Path, calibrate: list[str]) -> Path:
     from hyco.recipe import load_recipe
 
     models = [f"models.{k}={v}" for k, v in family.items()]
-    recipe = load_recipe(RECIPE, [*models, *LADDER, "stages=[vocab,convert,qat,calibrate]", *calibrate])
+    recipe = load_recipe(RECIPE, [*models, *LADDER, "stages=[vocab,answers,convert,qat,calibrate]", *calibrate])
     run_recipe(recipe, run_dir, log=lambda *a: None)
     return run_dir
 

@@ -17,13 +17,13 @@ LADDER = [
     "vocab.count_conversations=300", "vocab.heldout_conversations=40",
     "vocab.reserved_train=4", "vocab.reserved_eval=4",
     "convert.parity=false",
-    "qat.steps=2", "qat.calibration_sequences=1", "qat.max_new_tokens_train=16", "qat.max_new_tokens_eval=12",
+    "qat.steps=2", "qat.calibration_sequences=1", "answers.max_new_tokens_train=16", "answers.max_new_tokens_eval=12",
     "calibrate.prompts=2", "calibrate.eval_prompts=1", "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2",
     "calibrate.htp_check=false", "calibrate.fidelity_seeds=2",
     "export.smoke_prompts=0",
     "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
 ]
-STAGES = ["fixtures", "vocab", "convert", "qat", "calibrate", "export", "check"]  # the tiny recipe's, in order
+STAGES = ["fixtures", "vocab", "answers", "convert", "qat", "calibrate", "export", "check"]  # the tiny recipe's, in order
 
 
 def set_args(overrides: list[str]) -> list[str]:

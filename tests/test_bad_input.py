@@ -158,6 +158,19 @@ def vocab_dir(tiny_text_family, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def answers_dir(tiny_text_family, vocab_dir, tmp_path_factory) -> Path:
+    """A valid answers stage folder: the corpus's own answers to vocab_dir's prompts (no model run)."""
+    from hyco.answers.stage import make_answers
+    from hyco.recipe import AnswersConfig
+
+    out = tmp_path_factory.mktemp("answers")
+    make_answers(verifier=tiny_text_family["verifier"], tokenizer=tiny_text_family["tokenizer"], vocab=vocab_dir,
+                 config=AnswersConfig(source="corpus", max_new_tokens_train=16, max_new_tokens_eval=12,
+                                      max_prompt_tokens=48), out=out)
+    return out
+
+
 # --- convert ---------------------------------------------------------------------------------------
 
 
@@ -218,7 +231,7 @@ def test_convert_refuses_a_keep_set_of_another_family(tiny_text_family, vocab_di
 # --- qat ---------------------------------------------------------------------------------------------
 
 
-def _qat_case(case: str, fam: dict[str, Path], vocab: Path, tmp: Path) -> tuple[str, ...]:
+def _qat_case(case: str, fam: dict[str, Path], vocab: Path, answers: Path, tmp: Path) -> tuple[str, ...]:
     ver, head = fam["verifier"], fam["assistant"]
     if case == "truncated":
         _cut(ver / SHARD_VERIFIER)
@@ -248,10 +261,10 @@ def _qat_case(case: str, fam: dict[str, Path], vocab: Path, tmp: Path) -> tuple[
     if case == "tokenizer-json":
         _cut(fam["tokenizer"] / "tokenizer.json", keep=5000)
         return str(fam["tokenizer"] / "tokenizer.json"), "not valid JSON"
-    if case == "prompts":
-        text = (vocab / "prompts.jsonl").read_text()
-        (vocab / "prompts.jsonl").write_text(text[: text.index("\n") + 40])
-        return str(vocab / "prompts.jsonl"), "line 2"
+    if case == "answers":
+        text = (answers / "answers.jsonl").read_text()
+        (answers / "answers.jsonl").write_text(text[: text.index("\n") + 40])
+        return str(answers / "answers.jsonl"), "line 2"
     if case == "npy":
         _cut(vocab / "keep_to_vocab.npy", drop=64)
         return str(vocab / "keep_to_vocab.npy"), "not a readable .npy"
@@ -259,26 +272,48 @@ def _qat_case(case: str, fam: dict[str, Path], vocab: Path, tmp: Path) -> tuple[
 
 
 @pytest.mark.parametrize("case", ["truncated", "header", "nan", "dtype", "shape", "missing", "tokenizer",
-                                  "tokenizer-json", "prompts", "npy"])
-def test_qat_refuses_bad_input(case, tiny_text_family, vocab_dir, tmp_path, capsys):
+                                  "tokenizer-json", "answers", "npy"])
+def test_qat_refuses_bad_input(case, tiny_text_family, vocab_dir, answers_dir, tmp_path, capsys):
     fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
     vocab = Path(shutil.copytree(vocab_dir, tmp_path / "vocab"))
-    names = _qat_case(case, fam, vocab, tmp_path)
+    answers = Path(shutil.copytree(answers_dir, tmp_path / "answers"))
+    names = _qat_case(case, fam, vocab, answers, tmp_path)
     out = tmp_path / "out" / "qat"
     rc = main(["qat", "--verifier", str(fam["verifier"]), "--assistant", str(fam["assistant"]),
-               "--tokenizer", str(fam["tokenizer"]), "--vocab", str(vocab), "--out", str(out), "--steps", "1"])
+               "--tokenizer", str(fam["tokenizer"]), "--vocab", str(vocab), "--answers", str(answers),
+               "--out", str(out), "--steps", "1"])
+    _assert_refused(capsys, rc, out, *names)
+
+
+@pytest.mark.parametrize("case", ["prompts", "generation-config", "tokenizer-json"])
+def test_answers_refuses_bad_input(case, tiny_text_family, vocab_dir, tmp_path, capsys):
+    fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "tokenizer")}, tmp_path)
+    vocab = Path(shutil.copytree(vocab_dir, tmp_path / "vocab"))
+    if case == "prompts":
+        text = (vocab / "prompts.jsonl").read_text()
+        (vocab / "prompts.jsonl").write_text(text[: text.index("\n") + 40])
+        names = (str(vocab / "prompts.jsonl"), "line 2")
+    elif case == "generation-config":
+        (fam["verifier"] / "generation_config.json").unlink()
+        names = (str(fam["verifier"] / "generation_config.json"), "not found")
+    else:
+        _cut(fam["tokenizer"] / "tokenizer.json", keep=5000)
+        names = (str(fam["tokenizer"] / "tokenizer.json"), "not valid JSON")
+    out = tmp_path / "out" / "answers"
+    rc = main(["answers", "--verifier", str(fam["verifier"]), "--tokenizer", str(fam["tokenizer"]), "--vocab", str(vocab),
+               "--source", "corpus", "--out", str(out)])
     _assert_refused(capsys, rc, out, *names)
 
 
 @pytest.mark.slow  # by its measured duration (pytest --durations)
-def test_qat_truncated_shard_in_a_fresh_process(tiny_text_family, vocab_dir, tmp_path):
+def test_qat_truncated_shard_in_a_fresh_process(tiny_text_family, vocab_dir, answers_dir, tmp_path):
     """The reported bug, end to end: the real stderr of the console script, not a captured one."""
     fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
     _cut(fam["verifier"] / SHARD_VERIFIER)
     out = tmp_path / "out" / "qat"
     done = subprocess.run([sys.executable, "-m", "hyco.cli", "qat", "--verifier", str(fam["verifier"]),
                            "--assistant", str(fam["assistant"]), "--tokenizer", str(fam["tokenizer"]),
-                           "--vocab", str(vocab_dir), "--out", str(out)],
+                           "--vocab", str(vocab_dir), "--answers", str(answers_dir), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-2000:]
@@ -421,7 +456,7 @@ def test_run_checks_a_later_stages_checkpoint_before_the_first_stage(tiny_text_f
     _cut(fam["verifier"] / SHARD_VERIFIER)
     recipe = tmp_path / "r.yaml"
     models = "\n".join(f"  {k}: {v}" for k, v in fam.items())
-    recipe.write_text(f"name: r\nout: {tmp_path / 'out' / 'run'}\nstages: [vocab, qat]\nmodels:\n{models}\n"
+    recipe.write_text(f"name: r\nout: {tmp_path / 'out' / 'run'}\nstages: [vocab, answers, qat]\nmodels:\n{models}\n"
                       "vocab: {size: 1345, count_conversations: 50}\n")
     rc = main(["run", str(recipe)])
     _assert_refused(capsys, rc, tmp_path / "out" / "run", str(fam["verifier"] / SHARD_VERIFIER), "truncated")

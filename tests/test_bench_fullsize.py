@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "bench_fullsize.py"
-STAGES = ["vocab", "convert", "qat", "calibrate", "export"]
+STAGES = ["vocab", "answers", "convert", "qat", "calibrate", "export"]
 # CI-sized on top of the bench's own plumbing overrides (as tests/conftest.py's tiny_calibrated)
 SMALL = ["vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
          "vocab.reserved_eval=4", "qat.steps=2", "qat.calibration_sequences=1", "calibrate.prompts=2",

@@ -512,7 +512,7 @@ def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated,
         pytest.skip(reason)
     run = tiny_calibrated
     out = run / "calibrate"
-    inputs = check_inputs(run / "convert", run / "qat", run / "vocab")
+    inputs = check_inputs(run / "convert", run / "qat", run / "vocab", run / "answers")
     prepared, _ = prepare.prepare_mtp(onnx.load(str(run / "qat" / MTP_GRAPH)))
     prepare.save(prepared, tmp_path / "mtp.prepared.onnx")
     specs = {g: read_io_spec(out / "io_spec.json")[name] for g, name in OUT_NAMES.items()}
@@ -542,7 +542,7 @@ def test_slm_sqnr_from_the_fidelity_sessions_equals_fresh_sessions(tiny_calibrat
 
     run = tiny_calibrated
     out = run / "calibrate"
-    inputs = check_inputs(run / "convert", run / "qat", run / "vocab")
+    inputs = check_inputs(run / "convert", run / "qat", run / "vocab", run / "answers")
     negative = read_io_spec(out / "io_spec.json")["tree.qdq.onnx"].meta["mask_negative"]
     seen = []
     real = evaluate.layer_taps
@@ -591,19 +591,13 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("captures"))
-    (dst / "captures").symlink_to(src / "captures") if (src / "captures").is_dir() else None
-    return dst
-
-
 @pytest.mark.parametrize("case", ["missing_answers", "keep_set_mismatch", "other_tokenizer"])
 def test_bad_input_one_line_exit_2_nothing_written(tiny_calibrated, tmp_path, case):
     run = tiny_calibrated
-    convert, qat, vocab = run / "convert", run / "qat", run / "vocab"
+    convert, qat, vocab, answers = run / "convert", run / "qat", run / "vocab", run / "answers"
     if case == "missing_answers":
-        qat = _copy(qat, tmp_path / "qat")
-        (qat / "answers.jsonl").unlink()
+        answers = Path(shutil.copytree(answers, tmp_path / "answers"))
+        (answers / "answers.jsonl").unlink()
         expect = "answers.jsonl"
     elif case == "keep_set_mismatch":
         convert = tmp_path / "convert"
@@ -628,7 +622,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tiny_calibrated, tmp_path, ca
         (convert / "manifest.json").write_text(json.dumps(manifest))
         expect = "manifest.json"
     out = tmp_path / "out"
-    proc = _cli("--convert", convert, "--qat", qat, "--vocab", vocab, "--out", out)
+    proc = _cli("--convert", convert, "--qat", qat, "--vocab", vocab, "--answers", answers, "--out", out)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("hyco-convert")]
     assert len(lines) == 1 and expect in lines[0], proc.stderr[-2000:]

@@ -132,7 +132,7 @@ def test_peaky_undistilled_family_through_calibrate_and_export_with_smoke(tiny_f
     out = tmp_path / "run"
     models = [f"models.{k}={v}" for k, v in tiny_family.items() if k != "slm"] + [f"models.slm={slm}"]
     args = ["run", str(RECIPE), "--out", str(out), *set_args([
-        *LADDER, *models, "stages=[vocab,convert,qat,calibrate,export]", "calibrate.htp_check=true",
+        *LADDER, *models, "stages=[vocab,answers,convert,qat,calibrate,export]", "calibrate.htp_check=true",
         "calibrate.simulator_passes=1", "calibrate.eval_prompts=2", "export.smoke_prompts=1", "export.smoke_rounds=2"])]
     assert main(args) == 0
     report = json.loads((out / "calibrate" / "report.json").read_text())

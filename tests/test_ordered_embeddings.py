@@ -86,8 +86,10 @@ def test_qat_cli_refuses_with_one_line_and_writes_nothing(ordered, tiny_text_fam
     build_vocab(tokenizer=tiny_text_family["tokenizer"], dataset=load_recipe("recipes/tiny.yaml").dataset,
                 config=VocabConfig(size=1345, count_conversations=40, reserved_train=1, reserved_eval=1,
                                    heldout_conversations=5), out=tmp_path / "vocab")
-    args = ["qat", "--verifier", str(tiny_text_family["verifier"]), "--assistant", str(folder),
-            "--tokenizer", str(tiny_text_family["tokenizer"]), "--vocab", str(tmp_path / "vocab"), "--out", str(tmp_path / "q")]
+    common = ["--verifier", str(tiny_text_family["verifier"]), "--tokenizer", str(tiny_text_family["tokenizer"]),
+              "--vocab", str(tmp_path / "vocab")]
+    assert main(["answers", *common, "--source", "corpus", "--out", str(tmp_path / "answers")]) == 0
+    args = ["qat", *common, "--assistant", str(folder), "--answers", str(tmp_path / "answers"), "--out", str(tmp_path / "q")]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{folder}/config.json: use_ordered_embeddings is true" in err[0]

@@ -232,7 +232,7 @@ def test_whole_tiny_recipe_on_the_text_only_layout(tmp_path):
     out = tmp_path / "run"
     assert main(run_args(out, [*LADDER, "fixtures.preset=tiny-text"])) == 0
     report = json.loads((out / "run_report.json").read_text())
-    assert [s["status"] for s in report["stages"]] == ["built"] * 7
+    assert [s["status"] for s in report["stages"]] == ["built"] * 8
     convert = json.loads((out / "convert" / "report.json").read_text())
     assert convert["layout"] == "text-only" and convert["bitexact_all_equal"] and not convert.get("quantized_here")
     family = json.loads((out / "fixtures" / "family.json").read_text())
@@ -313,7 +313,7 @@ def test_check_refuses_a_truncated_published_verifier(tiny_family, tmp_path, cap
 
 
 def test_prompts_and_answers_start_after_the_empty_thought_channel(ladder, tiny_family):
-    """qat's answers (read by calibrate too) follow the template's generation prompt: the model's
+    """The answers stage's answers (read by qat and calibrate) follow the template's generation prompt: the model's
     turn starts after `<|channel>thought\\n<channel|>`, as Gemma 4 -it writes it."""
     from transformers import AutoTokenizer
 
@@ -321,7 +321,7 @@ def test_prompts_and_answers_start_after_the_empty_thought_channel(ladder, tiny_
     from hyco.loading import read_jsonl
 
     tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
-    answers = read_jsonl(ladder / "qat" / "answers.jsonl")
+    answers = read_jsonl(ladder / "answers" / "answers.jsonl")
     assert answers
     for record in answers:
         assert tok.decode(record["prompt_ids"]).endswith("<|turn>model\n" + EMPTY_THOUGHT)

@@ -174,10 +174,13 @@ def qat_run(tiny_family, tmp_path_factory):
     build_vocab(tokenizer=tiny_family["tokenizer"], dataset=dataset,
                 config=VocabConfig(size=1345, count_conversations=300, reserved_train=3, reserved_eval=1,
                                    heldout_conversations=20), out=(root / "vocab"))
-    args = ["qat", "--verifier", str(tiny_family["verifier"]), "--assistant", str(tiny_family["assistant"]),
-            "--tokenizer", str(tiny_family["tokenizer"]), "--vocab", str(root / "vocab"), "--out", str(root / "qat"),
-            "--steps", "8", "--lr", "3e-4", "--warmup-steps", "2", "--max-new-tokens-train", "40",
-            "--max-new-tokens-eval", "24", "--max-prompt-tokens", "48", "--window", "48", "--calibration-sequences", "3"]
+    common = ["--verifier", str(tiny_family["verifier"]), "--tokenizer", str(tiny_family["tokenizer"]),
+              "--vocab", str(root / "vocab")]
+    assert main(["answers", *common, "--out", str(root / "answers"), "--max-new-tokens-train", "40",
+                 "--max-new-tokens-eval", "24", "--max-prompt-tokens", "48"]) == 0
+    args = ["qat", *common, "--assistant", str(tiny_family["assistant"]), "--answers", str(root / "answers"),
+            "--out", str(root / "qat"), "--steps", "8", "--lr", "3e-4", "--warmup-steps", "2", "--window", "48",
+            "--calibration-sequences", "3"]
     assert main(args) == 0
     return root, tiny_family
 
@@ -186,7 +189,7 @@ def test_stage_writes_the_drafter(qat_run):
     root, _ = qat_run
     out = root / "qat"
     for name in ("head_w4.safetensors", "encodings.json", "mtp_step.onnx", "mtp_step.float.onnx", "embed_lut.safetensors",
-                 "io_spec.json", "manifest.json", "report.json", "summary.md", "loss.png", "agreement.png", "answers.jsonl"):
+                 "io_spec.json", "manifest.json", "report.json", "summary.md", "loss.png", "agreement.png"):
         assert (out / name).is_file(), name
     spec = read_io_spec(out / "io_spec.json")["mtp_step.onnx"]
     sess = _ort(out / "mtp_step.onnx")
@@ -196,16 +199,17 @@ def test_stage_writes_the_drafter(qat_run):
     report = json.loads((out / "report.json").read_text())
     assert set(report["agreement"]) >= {"w4_ptq", "w4_qat", "w8_ptq"}
     assert len(report["history"]) == 8
-    # answers.json's stats are those of answers.jsonl; greedy text of this random verifier is a
-    # newline loop, and the report and summary say so.
+    # the answers stage's answers.json stats are those of its answers.jsonl; greedy text of this
+    # random verifier is a newline loop, and qat's report and summary say so.
     from collections import Counter
 
     from hyco.answers import read_answers
 
-    records = read_answers(out / "answers.jsonl")
+    records = read_answers(root / "answers" / "answers.jsonl")
     assert {r["source"] for r in records} == {"greedy"} and {r["split"] for r in records} == {"train", "eval"}
     counts = Counter(t for r in records if r["split"] == "train" for t in r["answer_ids"])
-    stats = json.loads((out / "answers.json").read_text())["stats"]["train"]
+    stats = json.loads((root / "answers" / "answers.json").read_text())["stats"]["train"]
+    assert report["answers"]["stats"]["train"] == stats
     assert (stats["tokens"], stats["distinct_tokens"]) == (sum(counts.values()), len(counts))
     assert stats["top_share"] == pytest.approx(counts.most_common(1)[0][1] / sum(counts.values()), abs=1e-6)
     assert stats["degenerate"] and report["answers"]["warnings"]
@@ -293,7 +297,8 @@ def test_embed_lut_rows(qat_run):
 def test_cli_bad_input_exits_2_without_output(qat_run, tmp_path, capsys):
     root, family = qat_run
     args = ["qat", "--verifier", str(tmp_path / "nope"), "--assistant", str(family["assistant"]),
-            "--tokenizer", str(family["tokenizer"]), "--vocab", str(root / "vocab"), "--out", str(tmp_path / "q")]
+            "--tokenizer", str(family["tokenizer"]), "--vocab", str(root / "vocab"), "--answers", str(root / "answers"),
+            "--out", str(tmp_path / "q")]
     assert main(args) == 2
     assert "verifier checkpoint not found" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
@@ -405,17 +410,20 @@ def test_qat_beats_ptq_on_the_tiny_recipes_natural_text(tiny_family_distilled, t
     from hyco.qat.stage import build_qat
     from hyco.vocab.stage import build_vocab
 
+    from hyco.answers.stage import make_answers
     from hyco.recipe import load_recipe
 
     family = tiny_family_distilled
     recipe = load_recipe("recipes/tiny.yaml")
     assert recipe.answers.source != "greedy"
-    for name in ("vocab", "qat"):
+    for name in ("vocab", "answers", "qat"):
         (tmp_path / name).mkdir()
     build_vocab(tokenizer=family["tokenizer"], dataset=recipe.dataset, out=tmp_path / "vocab",
                 config=dataclasses.replace(recipe.vocab, count_conversations=300, heldout_conversations=20))
+    make_answers(verifier=family["verifier"], tokenizer=family["tokenizer"], vocab=tmp_path / "vocab",
+                 config=recipe.answers, out=tmp_path / "answers")
     build_qat(verifier=family["verifier"], assistant=family["assistant"], tokenizer=family["tokenizer"],
-              vocab=tmp_path / "vocab", config=recipe.qat, out=tmp_path / "qat", answers=recipe.answers)
+              vocab=tmp_path / "vocab", answers=tmp_path / "answers", config=recipe.qat, out=tmp_path / "qat")
     report = json.loads((tmp_path / "qat" / "report.json").read_text())
     stats = report["answers"]["stats"]
     for split in ("train", "eval"):

@@ -48,13 +48,16 @@ def test_paper_settings_are_the_defaults():
     assert (ConvertConfig().ring_full, ConvertConfig().ring_sliding, ConvertConfig().rows) == (1024, 512, 33)
 
 
-def test_real_model_recipes_carry_the_paper_numbers():
-    slm = load_recipe(Path(__file__).parents[1] / "recipes/gemma-4-e2b-slm.yaml")
-    mtp = load_recipe(Path(__file__).parents[1] / "recipes/gemma-4-26b-a4b-mtp.yaml")
-    assert slm.vocab.size == 86_089 and slm.vocab.count_conversations == 20_000
-    assert slm.calibrate.prompts == 60 and (slm.calibrate.kv_bits, slm.calibrate.kv_margin, slm.calibrate.kv_percentile) == (8, 1.2, 99.9)
-    assert (slm.convert.ring_full, slm.convert.ring_sliding, slm.convert.rows, slm.export.soc_model) == (1024, 512, 33, 87)
-    assert (mtp.qat.steps, mtp.qat.lr, mtp.qat.warmup_steps, mtp.qat.grad_accumulation) == (100, 1e-5, 50, 2)
+def test_the_real_model_recipe_carries_the_paper_numbers():
+    r = load_recipe(Path(__file__).parents[1] / "recipes/hyco-gemma-4.yaml")
+    assert r.stages == ("vocab", "answers", "convert", "qat", "calibrate", "export", "check")
+    assert r.vocab.size == 86_089 and r.vocab.count_conversations == 20_000 and r.vocab.reserved_eval == 60
+    assert (r.answers.source, r.answers.max_new_tokens_train, r.answers.max_new_tokens_eval) == ("greedy", 1024, 512)
+    assert r.calibrate.prompts == 60 and (r.calibrate.kv_bits, r.calibrate.kv_margin, r.calibrate.kv_percentile) == (8, 1.2, 99.9)
+    assert (r.convert.ring_full, r.convert.ring_sliding, r.convert.rows, r.export.soc_model) == (1024, 512, 33, 87)
+    assert (r.qat.steps, r.qat.lr, r.qat.warmup_steps, r.qat.grad_accumulation) == (100, 1e-5, 50, 2)
+    assert (r.check.chain_depth, r.check.budget, r.check.epsilon, r.check.top_k) == (4, 32, 0.005, 64)
+    assert all(getattr(r.models, k) is None for k in ("tokenizer", "slm", "verifier", "assistant"))
 
 
 def _write(tmp_path, text):

@@ -458,6 +458,16 @@ def slm_graphs(ladder):
     return ladder / "convert"
 
 
+def greedy_answers(family: dict, vocab: Path, out: Path) -> Path:
+    """The answers stage on `family`: the verifier's greedy answers (40 / 24 new tokens)."""
+    from hyco.answers.stage import make_answers
+    from hyco.recipe import AnswersConfig
+
+    make_answers(verifier=family["verifier"], tokenizer=family["tokenizer"], vocab=vocab, out=out,
+                 config=AnswersConfig(max_new_tokens_train=40, max_new_tokens_eval=24, max_prompt_tokens=48))
+    return out
+
+
 @pytest.fixture(scope="module")
 def mtp_graphs(tiny_family, phone_vocab, tmp_path_factory):
     from hyco.qat.stage import build_qat
@@ -466,9 +476,8 @@ def mtp_graphs(tiny_family, phone_vocab, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("qat")
     build_qat(verifier=tiny_family["verifier"], assistant=tiny_family["assistant"], tokenizer=tiny_family["tokenizer"],
-              vocab=phone_vocab, out=out,
-              config=QatConfig(steps=2, lr=3e-4, warmup_steps=2, max_new_tokens_train=40, max_new_tokens_eval=24,
-                               max_prompt_tokens=48, window=WINDOW, calibration_sequences=1))
+              vocab=phone_vocab, answers=greedy_answers(tiny_family, phone_vocab, tmp_path_factory.mktemp("answers")),
+              out=out, config=QatConfig(steps=2, lr=3e-4, warmup_steps=2, window=WINDOW, calibration_sequences=1))
     torch.set_num_threads(1)  # the qat stage may have changed it
     return out
 
@@ -806,9 +815,8 @@ def distilled_graphs(tiny_family_distilled, phone_vocab, tmp_path_factory):
     convert(checkpoint=family["slm"], out=slm_out, tokenizer=family["tokenizer"], keep_set=phone_vocab / "keep_set.json",
             config=ConvertConfig(parity=False, prefill_chunk=16, ring_full=128, ring_sliding=64, max_prompt=128))
     build_qat(verifier=family["verifier"], assistant=family["assistant"], tokenizer=family["tokenizer"],
-              vocab=phone_vocab, out=qat_out,
-              config=QatConfig(steps=2, lr=3e-4, warmup_steps=2, max_new_tokens_train=40, max_new_tokens_eval=24,
-                               max_prompt_tokens=48, window=WINDOW, calibration_sequences=1))
+              vocab=phone_vocab, answers=greedy_answers(family, phone_vocab, tmp_path_factory.mktemp("answers-distilled")),
+              out=qat_out, config=QatConfig(steps=2, lr=3e-4, warmup_steps=2, window=WINDOW, calibration_sequences=1))
     torch.set_num_threads(1)  # the qat stage may have changed it
     return {"convert": slm_out, "qat": qat_out}
 

@@ -1,0 +1,87 @@
+"""The answers stage: the verifier's answers to vocab/'s reserved train and eval prompts, written
+once (answers.jsonl, answers.json, summary.md) and read by qat (which trains the MTP head on them)
+and calibrate (which calibrates the SLM graphs on them), so neither reruns the verifier for it and
+a qat rerun leaves calibrate's answers as they were.
+
+`make_answers(verifier=..., tokenizer=..., vocab=..., config=..., out=...)` is the whole stage as a
+keyword-only function; the pipeline (`inputs` / `build` / `section`) and the CLI (`cli.py`) wrap it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from hyco.artifacts import declare_nondeterministic, markdown_table
+from hyco.errors import HycoError
+from hyco.recipe import AnswersConfig, Recipe, to_dict
+
+
+def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path) -> dict[str, Any]:
+    """Write OUT/answers.jsonl, answers.json and summary.md; return a short summary. For
+    `source: corpus` only the verifier's generation config is read (its end-of-turn ids)."""
+    from transformers import GenerationConfig
+
+    from hyco.answers import generate_answers, write_answers
+    from hyco.loading import load_pretrained, load_tokenizer
+    from hyco.vocab.keepset import load_prompts
+
+    start = time.perf_counter()
+    out = Path(out)
+    tok = load_tokenizer(Path(tokenizer))
+    prompts = load_prompts(vocab)
+    if not any(p["split"] == "train" for p in prompts) or not any(p["split"] == "eval" for p in prompts):
+        raise HycoError(f"{vocab}/prompts.jsonl: needs reserved prompts of both splits (train and eval)")
+    if config.source == "corpus":
+        if not (Path(verifier) / "generation_config.json").is_file():
+            raise HycoError(f"{Path(verifier) / 'generation_config.json'}: not found (the verifier's end-of-turn ids)")
+        model = SimpleNamespace(device=torch.device("cpu"), generation_config=GenerationConfig.from_pretrained(verifier))
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # BF16 where the device computes it natively; this CPU runs fp32
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = load_pretrained(verifier, "verifier", dtype=dtype,
+                                device_map="auto" if device.type == "cuda" else None).eval()
+    lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
+    records = list(generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,
+                                    max_prompt_tokens=config.max_prompt_tokens, temperature=config.temperature,
+                                    top_k=config.top_k, top_p=config.top_p, seed=config.seed))
+    report = write_answers(out, records, {**to_dict(config), "max_new_tokens": lengths}, tok)
+    rows = [{"split": split, **s} for split, s in report["stats"].items()]
+    md = (f"# answers: {config.source}\n\n{len(records)} answers to vocab/'s reserved prompts (up to "
+          f"{lengths['train']} / {lengths['eval']} new tokens for train / eval), read by qat and calibrate. "
+          f"Wall {time.perf_counter() - start:.1f} s.\n\n"
+          + markdown_table(rows, ["split", "answers", "tokens", "distinct_tokens", "top_token", "top_share", "degenerate"]))
+    md += "".join(f"\n**Warning**: {w}\n" for w in report["warnings"])
+    (out / "summary.md").write_text(md)
+    declare_nondeterministic("summary.md", "prints this run's wall time")
+    return {"source": config.source, "answers": len(records),
+            "degenerate": {split: s["degenerate"] for split, s in report["stats"].items()}}
+
+
+# --- the pipeline's view ------------------------------------------------------------------
+
+
+def section(recipe: Recipe) -> dict[str, Any]:
+    return {"answers": to_dict(recipe.answers)}
+
+
+def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
+    if "vocab" not in recipe.stages:
+        raise HycoError(f"the answers stage needs the vocab stage's reserved prompts; add vocab to the recipe's "
+                        f"stages, but got {list(recipe.stages)}")
+    paths = {name: recipe.path(getattr(recipe.models, name), run_dir) for name in ("verifier", "tokenizer")}
+    for name, p in paths.items():
+        if p is None:
+            raise HycoError(f"models.{name} must name a folder for the answers stage, but got null")
+    paths["vocab"] = Path(run_dir) / "vocab"
+    return paths
+
+
+def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
+    paths = inputs(recipe, run_dir)
+    return make_answers(**paths, config=recipe.answers, out=out)
