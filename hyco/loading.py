@@ -473,9 +473,9 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
         share_tied_table(model, folder)
     if upcast:
         upcast_to_float32(model)
-    if check_finite:
+    if check_finite:  # (weights accelerate offloaded to disk sit on the meta device: not read here)
         for name, p in model.named_parameters():
-            if p.is_floating_point() and not all_finite(p):
+            if p.is_floating_point() and p.device.type != "meta" and not all_finite(p):
                 raise HycoError(f"{folder}: tensor {name!r} of the {what} holds NaN or Inf")
     return model
 
@@ -559,3 +559,24 @@ def preflight(path: str | Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (path / name).is_file():
             read_json(path / name, name)
+
+
+def load_verifier(folder: str | Path, placement, what: str = "verifier"):
+    """The verifier as `placement` (recipe.PlacementConfig) puts it: its dtype (auto: BF16 on a
+    GPU, fp32 on a CPU), and accelerate's `device_map` / `max_memory` / `offload_folder`. A BF16
+    load is transformers' own (its non-persistent buffers, such as the embedding scale, as
+    transformers computes them); offloaded layers compute the same outputs."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    dtype = {"auto": torch.bfloat16 if gpu else torch.float32, "bfloat16": torch.bfloat16,
+             "float32": torch.float32}[placement.dtype]
+    kwargs = {"dtype": dtype}
+    device_map = placement.device_map or ("auto" if gpu or placement.max_memory or placement.offload_folder else None)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if placement.max_memory:
+        kwargs["max_memory"] = {int(k) if str(k).isdigit() else k: v for k, v in placement.max_memory.items()}
+    if placement.offload_folder:
+        kwargs["offload_folder"] = str(placement.offload_folder)
+    return load_pretrained(folder, what, **kwargs).eval()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hyco.artifacts import folder_lock, markdown_table, peak_rss_mb, remove_stale_temps, run_stage, write_json
-from hyco.loading import preflight
+from hyco.preflight import run_preflight
 from hyco.recipe import Recipe
 from hyco.stages import load_stage, stage_dir, stage_section
 
@@ -21,12 +21,10 @@ def run_recipe(recipe: Recipe, run_dir: Path, *, force: bool = False, allow_pari
     modules = {name: load_stage(name) for name in recipe.stages}  # fail before any work
     allow = allow_parity_failure or recipe.allow_parity_failure
     recipe = dataclasses.replace(recipe, allow_parity_failure=allow)  # the stages' build() reads it
-    # The user's own inputs (checkpoints, tokenizers outside the run folder) are checked before
-    # any stage runs: a truncated verifier shard fails the run now, not after minutes of earlier stages.
-    for module in modules.values():
-        for path in module.inputs(recipe, run_dir).values():
-            if not Path(path).resolve().is_relative_to(run_dir.resolve()):
-                preflight(path)
+    # The user's own inputs (checkpoints, tokenizers, the corpus) are checked, and every stage's
+    # memory and disk estimated, before any stage runs: a truncated verifier shard or a machine too
+    # small for qat fails the run now, not after hours of earlier stages.
+    run_preflight(recipe, modules, run_dir, log)
     with folder_lock(run_dir):
         return _run_stages(recipe, modules, run_dir, force, allow, log)
 

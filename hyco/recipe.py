@@ -301,6 +301,37 @@ class CheckConfig:
 
 
 @dataclass(frozen=True)
+class PlacementConfig:
+    """Where and in what precision the verifier runs, for every stage that runs it (answers, qat's
+    captures): Gemma 4 26B-A4B is ~50 GB in BF16. accelerate places it (`device_map`, `max_memory`,
+    `offload_folder`): across GPUs, or on the CPU with what does not fit offloaded to disk."""
+
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: BF16 on a GPU, fp32 on a CPU
+    device_map: str | None = None  # None: "auto" with a GPU, max_memory or offload_folder; else all on the CPU
+    max_memory: dict[str, str] | None = None  # per device, accelerate's form: {"0": "70GiB", "cpu": "100GiB"}
+    offload_folder: str | None = None  # weights beyond max_memory go to this folder
+
+    def __post_init__(self):
+        _require(self.device_map in (None, "auto", "balanced", "balanced_low_0", "sequential", "cpu"),
+                 f"placement.device_map must be auto, balanced, balanced_low_0, sequential, cpu or null, but got "
+                 f"{self.device_map!r}")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What `run`'s preflight holds each stage's estimate to (hyco/preflight.py); None: this
+    machine's memory, the free disk space where the run writes."""
+
+    memory_gb: float | None = None
+    disk_gb: float | None = None
+
+    def __post_init__(self):
+        for name in ("memory_gb", "disk_gb"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"limits.{name} must be > 0 or null, but got {value}")
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     out: str
@@ -316,6 +347,8 @@ class Recipe:
     answers: AnswersConfig = field(default_factory=AnswersConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Keep a stage's artifacts although its bit-exact or parity proof failed (manifest marked;
     # later stages refuse a marked input unless this is set too). Default: a failed proof stops.
     allow_parity_failure: bool = False

@@ -22,7 +22,7 @@ import torch
 from hyco.artifacts import Phases, declare_nondeterministic, markdown_table, write_json
 from hyco.errors import HycoError, ProofFailed
 from hyco.heap import release_free_heap
-from hyco.recipe import QatConfig, Recipe, to_dict
+from hyco.recipe import PlacementConfig, QatConfig, Recipe, to_dict
 
 CAPTURES = "captures"
 LINEAR_FORMAT = "int4 values stored in int8 [out, in], float32 scale [out] per output channel, symmetric"
@@ -98,8 +98,10 @@ def read_answer_folder(folder: Path, tokenizer) -> tuple[list[dict], dict[str, A
 
 
 def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, answers: Path, config: QatConfig,
-              out: Path, allow_parity_failure: bool = False) -> dict[str, Any]:
-    """`answers`: the answers stage's folder (the text the head trains and is evaluated on)."""
+              out: Path, allow_parity_failure: bool = False, placement: PlacementConfig | None = None) -> dict[str, Any]:
+    """`answers`: the answers stage's folder (the text the head trains and is evaluated on);
+    `placement`: the verifier's dtype and devices for the captures (default: BF16 on a GPU, fp32
+    on the CPU)."""
     from hyco.qat.capture import CaptureSet, capture_answers
     from hyco.qat.embed_lut import EMBED_LUT, write_embed_lut
     from hyco.qat.evaluate import agreement
@@ -115,15 +117,13 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     from hyco.qat.train import model_inputs, train_student
     from hyco.vocab.keepset import load_keep_set
 
-    from hyco.loading import load_tokenizer
+    from hyco.loading import load_tokenizer, load_verifier
 
     start = time.perf_counter()
     phase = Phases("qat")
     out = Path(out)
     torch.manual_seed(config.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # The verifier runs in BF16 where the device computes it natively; on this CPU fp32.
-    v_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok_dir = Path(tokenizer)
     if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
         raise HycoError(f"tokenizer not found: {tok_dir / 'tokenizer.json'}")
@@ -143,7 +143,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         del checked
         gc.collect()
     with phase("load verifier"):
-        ver = load_model(verifier, "verifier", v_dtype, "auto" if device.type == "cuda" else None)
+        ver = load_verifier(verifier, placement or PlacementConfig())
     check_pair(ver.config, h_cfg, tok, Path(verifier), Path(assistant))
     keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
     sliding_window = h_cfg.get_text_config().sliding_window
@@ -539,7 +539,7 @@ def write_summary(path: Path, report: dict, bits: int) -> None:
 
 
 def section(recipe: Recipe) -> dict[str, Any]:
-    return {"qat": to_dict(recipe.qat)}
+    return {"qat": to_dict(recipe.qat), "placement": to_dict(recipe.placement)}
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
@@ -557,4 +557,4 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     return build_qat(**inputs(recipe, run_dir), config=recipe.qat, out=out,
-                     allow_parity_failure=recipe.allow_parity_failure)
+                     allow_parity_failure=recipe.allow_parity_failure, placement=recipe.placement)

@@ -18,16 +18,18 @@ import torch
 
 from hyco.artifacts import declare_nondeterministic, markdown_table
 from hyco.errors import HycoError
-from hyco.recipe import AnswersConfig, Recipe, to_dict
+from hyco.recipe import AnswersConfig, PlacementConfig, Recipe, to_dict
 
 
-def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path) -> dict[str, Any]:
+def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path,
+                 placement: PlacementConfig | None = None) -> dict[str, Any]:
     """Write OUT/answers.jsonl, answers.json and summary.md; return a short summary. For
-    `source: corpus` only the verifier's generation config is read (its end-of-turn ids)."""
+    `source: corpus` only the verifier's generation config is read (its end-of-turn ids);
+    `placement`: the verifier's dtype and devices (default: BF16 on a GPU, fp32 on the CPU)."""
     from transformers import GenerationConfig
 
     from hyco.answers import generate_answers, write_answers
-    from hyco.loading import load_pretrained, load_tokenizer
+    from hyco.loading import load_tokenizer, load_verifier
     from hyco.vocab.keepset import load_prompts
 
     start = time.perf_counter()
@@ -41,11 +43,7 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
             raise HycoError(f"{Path(verifier) / 'generation_config.json'}: not found (the verifier's end-of-turn ids)")
         model = SimpleNamespace(device=torch.device("cpu"), generation_config=GenerationConfig.from_pretrained(verifier))
     else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # BF16 where the device computes it natively; this CPU runs fp32
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = load_pretrained(verifier, "verifier", dtype=dtype,
-                                device_map="auto" if device.type == "cuda" else None).eval()
+        model = load_verifier(verifier, placement or PlacementConfig())
     lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
     records = list(generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,
                                     max_prompt_tokens=config.max_prompt_tokens, temperature=config.temperature,
@@ -67,7 +65,7 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
 
 
 def section(recipe: Recipe) -> dict[str, Any]:
-    return {"answers": to_dict(recipe.answers)}
+    return {"answers": to_dict(recipe.answers), "placement": to_dict(recipe.placement)}
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
@@ -84,4 +82,4 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
-    return make_answers(**paths, config=recipe.answers, out=out)
+    return make_answers(**paths, config=recipe.answers, out=out, placement=recipe.placement)

@@ -1,0 +1,162 @@
+"""Preflight of `run`, before its first stage: every model folder the recipe names checked for its
+role's layout (config, index, shard headers, the tensors the stages read), the chat corpus found,
+and each stage's memory, disk and device estimated, printed, and held to the recipe's `limits`.
+A machine that cannot hold a stage is told so in one line naming the stage and the figure, before
+hours of earlier stages are spent.
+
+The estimates come from the checkpoints' own bytes (safetensors headers, no tensor read), with the
+factors each stage was measured to need (README, full-size dry run); they are the order of a stage's
+peak, not a promise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hyco.errors import HycoError
+
+GiB = 1024**3
+
+# Per model role: what its config must say and the tensors every stage that reads it needs.
+ROLES: dict[str, dict[str, Any]] = {
+    "slm": {"model_types": ("gemma4", "gemma4_text"), "quant_method": "gemma",
+            "tensors": ("embed_tokens.", "layers.0.self_attn.q_proj.weight")},
+    "verifier": {"model_types": ("gemma4", "gemma4_text"), "quant_method": None,
+                 "tensors": ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")},
+    "assistant": {"model_types": ("gemma4_assistant",), "quant_method": None, "tensors": ("layers.0.",)},
+}
+
+# Peak memory of a stage as a multiple of the bytes of the model it loads, where it loads it:
+# fp32 on a CPU doubles a BF16 checkpoint, qat holds the verifier then the head and its students,
+# calibrate and export hold the quantized graphs and onnxruntime's / QNN's working copies.
+MEMORY = {"answers": ("verifier", 2.2), "qat": ("verifier", 2.4), "check": ("verifier", 2.2),
+          "convert": ("slm", 1.2), "calibrate": ("slm", 3.5), "export": ("slm", 4.0)}
+DISK = {"answers": ("verifier", 0.0), "qat": ("assistant", 2.0), "check": ("verifier", 0.0),
+        "convert": ("slm", 2.2), "calibrate": ("slm", 3.0), "export": ("slm", 4.0)}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    stage: str
+    memory_gb: float
+    disk_gb: float
+    device: str
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    from hyco.loading import checkpoint_files
+
+    tensors = checkpoint_files(folder, folder.name)
+    return sum(p.stat().st_size for p in {path for _, _, path in tensors.values()})
+
+
+def check_model(role: str, folder: Path) -> int:
+    """`folder` laid out as the `role` needs: config model type (and quantization method), index
+    and shard headers whole, the tensors the stages read present. Returns its weight bytes."""
+    from hyco.loading import checkpoint_files, read_json
+
+    if not folder.is_dir():
+        raise HycoError(f"models.{role}: {folder} not found")
+    config = read_json(folder / "config.json", f"{role} config.json")
+    want = ROLES[role]
+    text = config.get("text_config", config)
+    kind = config.get("model_type")
+    if kind not in want["model_types"]:
+        raise HycoError(f"{folder / 'config.json'}: models.{role} must be a {' or '.join(want['model_types'])} "
+                        f"checkpoint, but its model_type is {kind!r}")
+    method = (config.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method")
+    if want["quant_method"] is not None and method != want["quant_method"]:
+        raise HycoError(f"{folder / 'config.json'}: models.{role} must be in the QAT mobile format (quant_method "
+                        f"{want['quant_method']!r}), but got {method!r}")
+    if want["quant_method"] is None and method is not None:
+        raise HycoError(f"{folder / 'config.json'}: models.{role} must be a float checkpoint, but it is quantized "
+                        f"(quant_method {method!r})")
+    names = checkpoint_files(folder, role)
+    for needed in want["tensors"]:
+        if not any(needed in n for n in names):
+            raise HycoError(f"{folder}: models.{role} has no tensor named like {needed!r} (another layout?)")
+    return sum(p.stat().st_size for p in {path for _, _, path in names.values()})
+
+
+def check_corpus(recipe) -> None:
+    """The chat corpus the vocab stage counts: its first conversation can be read."""
+    from hyco.chat import iter_conversations
+
+    source = recipe.dataset
+    try:
+        next(iter(iter_conversations(source.source, source.schema, source.split)))
+    except StopIteration:
+        raise HycoError(f"dataset.source {source.source!r}: no conversations in split {source.split!r}") from None
+
+
+def device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def estimate(stages: tuple[str, ...], sizes: dict[str, int]) -> list[Estimate]:
+    where = device()
+    rows = []
+    for stage in stages:
+        mem_role, mem_factor = MEMORY.get(stage, (None, 0.0))
+        disk_role, disk_factor = DISK.get(stage, (None, 0.0))
+        memory = mem_factor * sizes.get(mem_role, 0) / GiB
+        disk = disk_factor * sizes.get(disk_role, 0) / GiB
+        onnx = stage in ("convert", "calibrate", "export")
+        rows.append(Estimate(stage, round(memory, 2), round(disk, 2), "CPU (onnxruntime, QNN)" if onnx else where))
+    return rows
+
+
+def machine_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
+def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estimate]:
+    """Check and estimate every stage of `recipe` (`modules`: stage -> module); HycoError (one
+    line, before any stage) on a missing or misshapen input or an estimate over `recipe.limits`."""
+    from hyco.loading import preflight as check_folder
+
+    run_dir = Path(run_dir)
+    sizes: dict[str, int] = {}
+    for role in ROLES:
+        path = recipe.path(getattr(recipe.models, role), run_dir)
+        used = path is not None and any(path == p for m in modules.values() for p in m.inputs(recipe, run_dir).values())
+        if used and not Path(path).resolve().is_relative_to(run_dir.resolve()):
+            sizes[role] = check_model(role, Path(path))
+    for module in modules.values():  # tokenizers and anything else outside the run folder
+        for path in module.inputs(recipe, run_dir).values():
+            if not Path(path).resolve().is_relative_to(run_dir.resolve()):
+                if not Path(path).exists():
+                    raise HycoError(f"{path}: not found (an input of the recipe's stages)")
+                check_folder(path)
+    if "vocab" in modules:
+        check_corpus(recipe)
+    rows = estimate(tuple(modules), sizes)
+    free_disk = shutil.disk_usage(_existing(run_dir)).free / GiB
+    limit_memory = recipe.limits.memory_gb or machine_memory_gb()
+    limit_disk = recipe.limits.disk_gb or free_disk
+    for r in rows:
+        log(f"[preflight] {r.stage}: ~{r.memory_gb:.1f} GiB memory, ~{r.disk_gb:.1f} GiB disk, on {r.device}")
+    total_disk = sum(r.disk_gb for r in rows)
+    for r in rows:
+        if r.memory_gb > limit_memory:
+            raise HycoError(f"preflight: stage {r.stage} needs ~{r.memory_gb:.1f} GiB of memory, over the limit of "
+                            f"{limit_memory:.1f} GiB (limits.memory_gb, or this machine's memory)")
+    if total_disk > limit_disk:
+        raise HycoError(f"preflight: the stages write ~{total_disk:.1f} GiB, over the limit of {limit_disk:.1f} GiB "
+                        f"(limits.disk_gb, or the free space at {_existing(run_dir)})")
+    return rows
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path

@@ -1,0 +1,55 @@
+"""The verifier's placement (recipe section `placement`, hyco.loading.load_verifier): BF16 on any
+device is transformers' own BF16 model, and CPU + disk offload through accelerate computes what
+the model in memory computes, down to the answers the answers stage writes."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+import torch
+
+from hyco.errors import HycoError
+from hyco.loading import load_verifier
+from hyco.recipe import AnswersConfig, PlacementConfig
+
+IDS = torch.tensor([[2, 105, 300, 400, 500, 600, 106, 700, 800]])
+
+
+def test_bf16_placement_is_transformers_own_bf16_model(tiny_family):
+    from transformers import Gemma4ForConditionalGeneration
+
+    ours = load_verifier(tiny_family["verifier"], PlacementConfig(dtype="bfloat16"))
+    reference = Gemma4ForConditionalGeneration.from_pretrained(str(tiny_family["verifier"]), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        a, b = ours(input_ids=IDS).logits, reference(input_ids=IDS).logits
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    buffers = dict(ours.get_input_embeddings().named_buffers())
+    assert buffers and all(torch.equal(t, dict(reference.get_input_embeddings().named_buffers())[n])
+                           for n, t in buffers.items())
+
+
+def test_cpu_and_disk_offload_computes_what_memory_computes(tiny_family, tmp_path):
+    offloaded = load_verifier(tiny_family["verifier"], PlacementConfig(dtype="float32", max_memory={"cpu": "2MB"},
+                                                                       offload_folder=str(tmp_path / "offload")))
+    assert "disk" in set(offloaded.hf_device_map.values()), offloaded.hf_device_map
+    resident = load_verifier(tiny_family["verifier"], PlacementConfig(dtype="float32"))
+    with torch.no_grad():
+        assert torch.equal(offloaded(input_ids=IDS).logits, resident(input_ids=IDS).logits)
+
+
+def test_offloaded_answers_are_byte_identical(ladder, tiny_family, tmp_path):
+    from hyco.answers.stage import make_answers
+
+    config = AnswersConfig(source="greedy", max_new_tokens_train=8, max_new_tokens_eval=6, max_prompt_tokens=48)
+    for name, placement in (("memory", PlacementConfig()),
+                            ("offload", PlacementConfig(max_memory={"cpu": "2MB"}, offload_folder=str(tmp_path / "o")))):
+        (tmp_path / name).mkdir()
+        make_answers(verifier=tiny_family["verifier"], tokenizer=tiny_family["tokenizer"], vocab=ladder / "vocab",
+                     config=config, out=tmp_path / name, placement=placement)
+    assert filecmp.cmp(tmp_path / "memory" / "answers.jsonl", tmp_path / "offload" / "answers.jsonl", shallow=False)
+
+
+def test_placement_is_validated():
+    with pytest.raises((HycoError, ValueError), match="placement.device_map must be"):
+        PlacementConfig(device_map="everywhere")

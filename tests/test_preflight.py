@@ -1,0 +1,58 @@
+"""`run`'s preflight (hyco/preflight.py): before the first stage, every model folder checked for its
+role's layout, the corpus found, each stage's memory and disk estimated and held to the recipe's
+limits; a refusal is one line, exit 2, and nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from hyco.cli import main
+
+STAGES = ["vocab", "answers", "convert", "qat"]
+
+
+def _recipe(tmp_path, family, **overrides) -> str:
+    models = {k: str(v) for k, v in family.items()}
+    models.update(overrides.pop("models", {}))
+    data = {"version": 1, "name": "p", "out": str(tmp_path / "run"), "stages": STAGES, "models": models,
+            "vocab": {"size": 1345, "count_conversations": 50}, **overrides}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _refused(capsys, rc: int, tmp_path, *names: str) -> None:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert all(n in err[0] for n in names), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_folder_is_refused_before_any_stage(tiny_family, tmp_path, capsys):
+    rc = main(["run", _recipe(tmp_path, tiny_family, models={"assistant": str(tmp_path / "nope")})])
+    _refused(capsys, rc, tmp_path, "models.assistant", str(tmp_path / "nope"), "not found")
+
+
+@pytest.mark.parametrize("role,other,says", [("verifier", "slm", "must be a float checkpoint"),
+                                             ("assistant", "verifier", "gemma4_assistant"),
+                                             ("slm", "verifier", "QAT mobile format")])
+def test_a_folder_of_another_layout_is_refused(tiny_family, tmp_path, capsys, role, other, says):
+    rc = main(["run", _recipe(tmp_path, tiny_family, models={role: str(tiny_family[other])})])
+    _refused(capsys, rc, tmp_path, f"models.{role}", str(tiny_family[other] / "config.json"), says)
+
+
+def test_a_stage_over_the_memory_limit_is_refused_with_its_figure(tiny_family, tmp_path, capsys):
+    rc = main(["run", _recipe(tmp_path, tiny_family, limits={"memory_gb": 0.001})])
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "preflight: stage answers needs ~" in err[0] and "limits.memory_gb" in err[0], err
+    assert "[preflight] qat: ~" in out.out and "GiB memory" in out.out  # every stage's estimate, printed first
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreadable_corpus_is_refused(tiny_family, tmp_path, capsys):
+    rc = main(["run", _recipe(tmp_path, tiny_family, dataset={"source": "no-such/dataset-anywhere"})])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "no-such/dataset-anywhere" in err[0], err
+    assert not (tmp_path / "run").exists()
