@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hyco.errors import HycoError
+from hyco.launch import world_size
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
@@ -528,6 +529,7 @@ def _run_locked(name: str, out: Path, section: Mapping[str, Any], inputs: Mappin
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "toolchain": toolchain_versions(),
             "argv": sys.argv,
+            "processes": world_size(),  # > 1: the stage's prompts were split over an accelerate launch
         }
         if summary.get("proof_failed"):
             manifest["proof_failed"] = str(summary["proof_failed"])

@@ -17,7 +17,11 @@ import warnings
 from pathlib import Path
 
 from hyco.errors import HycoError, ProofFailed
+from hyco.launch import is_follower, refuse_launch
 from hyco.stages import STAGES
+
+# The subcommands whose prompts split over the processes of `accelerate launch` (hyco/launch.py).
+SPLIT_COMMANDS = ("answers", "qat", "check")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         with _one_line_warnings(args.command):
+            if args.command not in SPLIT_COMMANDS:
+                refuse_launch(args.command)
             return args.func(args) or 0
     except HycoError as e:
         print(f"hyco-convert {args.command}: error: {e}", file=sys.stderr)
@@ -104,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
+        if is_follower():  # stopped by the launcher because another process ended: that one says why
+            return 128 + int(signum)
         print(f"hyco-convert {args.command}: interrupted ({signal.Signals(signum).name}); no partial artifact was kept",
               file=sys.stderr)
         return 128 + int(signum)

@@ -566,13 +566,19 @@ def load_verifier(folder: str | Path, placement, what: str = "verifier"):
     GPU, fp32 on a CPU), and accelerate's `device_map` / `max_memory` / `offload_folder`. A BF16
     load is transformers' own (its non-persistent buffers, such as the embedding scale, as
     transformers computes them); offloaded layers compute the same outputs."""
+    import os
+
     import torch
+
+    from hyco.launch import launched
 
     gpu = torch.cuda.is_available()
     dtype = {"auto": torch.bfloat16 if gpu else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[placement.dtype]
     kwargs = {"dtype": dtype}
     device_map = placement.device_map or ("auto" if gpu or placement.max_memory or placement.offload_folder else None)
+    if launched() and gpu and placement.device_map is None:
+        device_map = {"": int(os.environ.get("LOCAL_RANK", "0"))}  # one whole copy per process of a launch
     if device_map is not None:
         kwargs["device_map"] = device_map
     if placement.max_memory:

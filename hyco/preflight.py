@@ -30,10 +30,12 @@ ROLES: dict[str, dict[str, Any]] = {
     "assistant": {"model_types": ("gemma4_assistant",), "quant_method": None, "tensors": ("layers.0.",)},
 }
 
-# Peak memory of a stage as a multiple of the bytes of the model it loads, where it loads it:
-# fp32 on a CPU doubles a BF16 checkpoint, qat holds the verifier then the head and its students,
-# calibrate and export hold the quantized graphs and onnxruntime's / QNN's working copies.
-MEMORY = {"answers": ("verifier", 2.2), "qat": ("verifier", 2.4), "check": ("verifier", 2.2),
+# Peak memory of a stage as a multiple of the bytes of the model it loads, as loaded: the verifier
+# at its checkpoint's width (bench/bench_verifier.py: 1.14-1.17x in BF16 on the CPU, with the
+# interpreter and the answers' caches) and twice that when a BF16 checkpoint is loaded in fp32
+# (`load_growth`); qat holds the verifier then the head and its students, calibrate and export
+# the quantized graphs and onnxruntime's / QNN's working copies.
+MEMORY = {"answers": ("verifier", 1.2), "qat": ("verifier", 1.3), "check": ("verifier", 1.2),
           "convert": ("slm", 1.2), "calibrate": ("slm", 3.5), "export": ("slm", 4.0)}
 DISK = {"answers": ("verifier", 0.0), "qat": ("assistant", 2.0), "check": ("verifier", 0.0),
         "convert": ("slm", 2.2), "calibrate": ("slm", 3.0), "export": ("slm", 4.0)}
@@ -101,12 +103,27 @@ def device() -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
-def estimate(stages: tuple[str, ...], sizes: dict[str, int]) -> list[Estimate]:
+def load_growth(stage: str, placement, checkpoint_dtype: str | None) -> float:
+    """How much larger the verifier is in memory than on disk in `stage`: 2 when a 16-bit
+    checkpoint is loaded in fp32 (the check always; answers and qat as `placement.dtype` says,
+    auto meaning fp32 without a GPU), else 1."""
+    import torch
+
+    if checkpoint_dtype not in ("bfloat16", "float16"):
+        return 1.0
+    fp32 = stage == "check" or placement.dtype == "float32" or (placement.dtype == "auto" and not torch.cuda.is_available())
+    return 2.0 if fp32 else 1.0
+
+
+def estimate(stages: tuple[str, ...], sizes: dict[str, int], growth: dict[str, float] | None = None) -> list[Estimate]:
+    """`growth`: per stage, the verifier's `load_growth`."""
     where = device()
     rows = []
     for stage in stages:
         mem_role, mem_factor = MEMORY.get(stage, (None, 0.0))
         disk_role, disk_factor = DISK.get(stage, (None, 0.0))
+        if mem_role == "verifier":
+            mem_factor *= (growth or {}).get(stage, 1.0)
         memory = mem_factor * sizes.get(mem_role, 0) / GiB
         disk = disk_factor * sizes.get(disk_role, 0) / GiB
         onnx = stage in ("convert", "calibrate", "export")
@@ -138,7 +155,12 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
                 check_folder(path)
     if "vocab" in modules:
         check_corpus(recipe)
-    rows = estimate(tuple(modules), sizes)
+    growth = {}
+    verifier = recipe.path(recipe.models.verifier, run_dir)
+    if "verifier" in sizes:
+        dtype = _checkpoint_dtype(Path(verifier))
+        growth = {stage: load_growth(stage, recipe.placement, dtype) for stage in modules}
+    rows = estimate(tuple(modules), sizes, growth)
     free_disk = shutil.disk_usage(_existing(run_dir)).free / GiB
     limit_memory = recipe.limits.memory_gb or machine_memory_gb()
     limit_disk = recipe.limits.disk_gb or free_disk
@@ -160,3 +182,11 @@ def _existing(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+def _checkpoint_dtype(folder: Path) -> str | None:
+    from hyco.loading import read_json
+
+    config = read_json(folder / "config.json", "verifier config.json")
+    text = config.get("text_config") or {}
+    return config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")

@@ -475,12 +475,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    from hyco.loading import read_yaml
-
+    """The recipe at `path` (over its `base`, if it names one) with `--set` overrides applied last."""
     path = Path(path)
-    data = read_yaml(path, "recipe")
-    if not isinstance(data, dict):
-        raise HycoError(f"{path}: a recipe must be a YAML mapping, but got {type(data).__name__}")
+    data = read_recipe_mapping(path)
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -490,3 +487,31 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
                 raise HycoError(f"--set {text}: {k!r} is not a section")
         node[keys[-1]] = value
     return from_dict(Recipe, data, str(path))
+
+
+def read_recipe_mapping(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe file's mapping. `base: FILE` (relative to this file's folder) makes it a variant:
+    the base's mapping with this file's sections merged over it key by key (a list or a value
+    replaces the base's), so a variant states only how it differs."""
+    from hyco.loading import read_yaml
+
+    data = read_yaml(path, "recipe")
+    if not isinstance(data, dict):
+        raise HycoError(f"{path}: a recipe must be a YAML mapping, but got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise HycoError(f"{path}: base must name a recipe file, but got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen or base_path == path.resolve():
+        raise HycoError(f"{path}: base {base} leads back to itself")
+    return _merged(read_recipe_mapping(base_path, (*seen, path.resolve())), data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out

@@ -48,13 +48,20 @@ def shard_name(index: int) -> str:
 
 
 def capture_answers(verifier, answers: list[dict], folder: Path, capture_point: str) -> list[dict]:
-    """Write one shard per answer into `folder`; return the index rows for captures.json."""
+    """Write one shard per answer into `folder`; return the index rows for captures.json. Under
+    `accelerate launch` each process writes its share of the shards (`hyco.launch`) and every
+    process gets all the rows."""
+    from hyco.launch import in_order, my_positions
+
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
-    for i, rec in enumerate(tqdm(answers, desc="qat: capture", unit="seq", disable=None)):
+    mine = my_positions(len(answers))
+    for i in tqdm(mine, desc="qat: capture", unit="seq", disable=None):
+        rec = answers[i]
         ids = torch.tensor(rec["prompt_ids"] + rec["answer_ids"], dtype=torch.long)
         if len(rec["answer_ids"]) < 1:
-            continue  # an empty answer has no drafting position
+            rows.append((i, None))  # an empty answer has no drafting position
+            continue
         states = handoff_states(verifier, ids, capture_point)
         tensors = {"input_ids": states.input_ids, "embeds": states.embeds, "hidden": states.hidden}
         for layer in LAYER_TYPES:
@@ -64,9 +71,9 @@ def capture_answers(verifier, answers: list[dict], folder: Path, capture_point: 
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / name),
                   metadata={"id": str(rec["id"]), "split": rec["split"], "response_start": str(len(rec["prompt_ids"])),
                             "capture_point": capture_point})
-        rows.append({"file": name, "id": rec["id"], "split": rec["split"], "tokens": int(ids.shape[0]),
-                     "response_start": len(rec["prompt_ids"])})
-    return rows
+        rows.append((i, {"file": name, "id": rec["id"], "split": rec["split"], "tokens": int(ids.shape[0]),
+                         "response_start": len(rec["prompt_ids"])}))
+    return [row for row in in_order(rows, len(answers), "qat: capture") if row is not None]
 
 
 def load_capture(path: Path) -> Capture:

@@ -45,9 +45,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_qat(args: argparse.Namespace) -> int:
-    from hyco.qat.stage import build_qat
+    from hyco.qat.stage import build_qat, capture_share
 
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.artifacts import run_stage
+    from hyco.launch import run_split
 
     try:
         config = dataclasses.replace(
@@ -59,10 +60,22 @@ def _cmd_qat(args: argparse.Namespace) -> int:
     paths = {"verifier": Path(args.verifier), "assistant": Path(args.assistant), "tokenizer": Path(args.tokenizer),
              "vocab": Path(args.vocab), "answers": Path(args.answers)}
     out = Path(args.out)
-    manifest = run_stage("qat", out, {"qat": to_dict(config)}, paths,
-                         lambda tmp: build_qat(**paths, config=config, out=tmp,
-                                               allow_parity_failure=args.allow_parity_failure),
-                         force=args.force, allow_parity_failure=args.allow_parity_failure)
+
+    def main() -> int:
+        manifest = run_stage("qat", out, {"qat": to_dict(config)}, paths,
+                             lambda tmp: build_qat(**paths, config=config, out=tmp,
+                                                   allow_parity_failure=args.allow_parity_failure),
+                             force=args.force, allow_parity_failure=args.allow_parity_failure)
+        _print_done(out, manifest)
+        return 0
+
+    shared = {k: paths[k] for k in ("verifier", "tokenizer", "answers")}
+    return run_split(main, lambda word: capture_share(**shared, config=config, captures=Path(word["captures"])))
+
+
+def _print_done(out: Path, manifest: dict) -> None:
+    from hyco.artifacts import stage_state
+
     s = manifest["summary"]
     state = stage_state(manifest)
     top1 = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["top1"].items() if not k.endswith("_train"))
@@ -76,4 +89,3 @@ def _cmd_qat(args: argparse.Namespace) -> int:
               f"{manifest['proof_failed']}", file=sys.stderr)
     print(f"next: the check stage's MTP Drafter runs {out}/mtp_step.onnx with check.backend onnxruntime "
           "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
-    return 0

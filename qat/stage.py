@@ -79,6 +79,19 @@ def input_ranges(captures, teacher, sliding_window: int, percentile: float, devi
     return out
 
 
+def capture_share(*, verifier: Path, tokenizer: Path, answers: Path, config: QatConfig, captures: Path,
+                  placement: PlacementConfig | None = None) -> None:
+    """A follower process of `accelerate launch` (hyco/launch.py): its share of the captures,
+    written into the main process's `captures` folder; the main process trains."""
+    from hyco.qat.capture import capture_answers
+
+    from hyco.loading import load_tokenizer, load_verifier
+
+    records, _ = read_answer_folder(Path(answers), load_tokenizer(Path(tokenizer)))
+    verifier_model = load_verifier(verifier, placement or PlacementConfig())
+    capture_answers(verifier_model, records, Path(captures), config.capture_point)
+
+
 def read_answer_folder(folder: Path, tokenizer) -> tuple[list[dict], dict[str, Any]]:
     """The answers stage's records and report, checked: both splits present, every token id
     inside the tokenizer's vocabulary (answers written with another tokenizer are refused)."""
@@ -117,11 +130,13 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     from hyco.qat.train import model_inputs, train_student
     from hyco.vocab.keepset import load_keep_set
 
+    from hyco.launch import start_followers
     from hyco.loading import load_tokenizer, load_verifier
 
     start = time.perf_counter()
     phase = Phases("qat")
     out = Path(out)
+    start_followers(captures=str(out / CAPTURES))
     torch.manual_seed(config.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok_dir = Path(tokenizer)

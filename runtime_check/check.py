@@ -149,18 +149,22 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
                head, slm, keep_ids, eos_ids: set[int], max_new_tokens: int, convert_dir: Path | None = None,
                qat_dir: Path | None = None, seeds: list[int] | None = None) -> list[DecodeLog]:
     """`seeds`: per prompt, the verifier samples each token keyed by its position (the committed
-    text is then the verifier's own keyed text whatever the drafts: `keyed_generate`)."""
+    text is then the verifier's own keyed text whatever the drafts: `keyed_generate`). Under
+    `accelerate launch` each process decodes its share of the prompts (`hyco.launch`)."""
+    from hyco.launch import in_order, my_positions
+
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
     logs = []
-    for i, prompt in enumerate(tqdm(prompts, desc=cfg.name, leave=False)):
+    mine = my_positions(len(prompts))
+    for i in tqdm(mine, desc=cfg.name, leave=False):
         drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
                                 convert_dir=convert_dir, qat_dir=qat_dir)
         reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
                                       window=handoff_window(cfg, phone), keyed_seed=seeds[i] if seeds else None)
         generator = torch.Generator().manual_seed(check.seed + i)
-        logs.append(decode(prompt, reference, drafter, epsilon=cfg.epsilon, max_new_tokens=max_new_tokens,
-                           eos_ids=eos_ids, generator=generator, probe_epsilon=check.epsilon))
-    return logs
+        logs.append((i, decode(prompts[i], reference, drafter, epsilon=cfg.epsilon, max_new_tokens=max_new_tokens,
+                               eos_ids=eos_ids, generator=generator, probe_epsilon=check.epsilon)))
+    return in_order(logs, len(prompts), f"check ({cfg.name})")
 
 
 @torch.no_grad()
@@ -232,11 +236,12 @@ def eos_ids_of(model) -> set[int]:
 
 
 def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vocab_dir: Path | None,
-              dataset: DatasetConfig, config: CheckConfig, out: Path, ring_full: int, ring_sliding: int,
+              dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
               max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None) -> dict[str, Any]:
     """`ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
-    `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`.
+    `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`. `out` None: a
+    follower process of `accelerate launch` (its share of the prompts; writes nothing).
 
     With `config.backend` onnxruntime both drafters run on the shipped graphs: the SLM on
     `convert_dir`'s tree.onnx / prefill.onnx, the phone's MTP chain on `qat_dir`'s mtp_step.onnx
@@ -269,8 +274,10 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
 
 def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
                prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None):
+    from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer
 
+    start_followers()
     names = [c.name for c in decode_configs]
     tok = load_tokenizer(tokenizer)
     verifier_model = load_model(verifier, "verifier")
@@ -290,8 +297,11 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
     # every candidate's reference text (the verifier alone, keyed sampling): the prompts are chosen
     # by its statistics, and exact verification must commit exactly it
-    references = [keyed_generate(verifier_model, p, config.max_new_tokens, sampling, keyed_seed(config, i), eos)
-                  for i, p in enumerate(tqdm(candidates, desc="reference texts", leave=False))]
+    mine = my_positions(len(candidates))
+    references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
+                                              keyed_seed(config, i), eos))
+                           for i in tqdm(mine, desc="reference texts", leave=False)],
+                          len(candidates), "check (reference texts)")
     selection = choose_prompts(candidates, [t for t, _ in references], count)
     chosen = [r["candidate"] for r in selection if r["chosen"]]
     prompt_ids, reference = [candidates[i] for i in chosen], [references[i] for i in chosen]
@@ -321,7 +331,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                 "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
                 "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}
-    return write_report(Path(out), results, settings, lossless)
+    return write_report(Path(out), results, settings, lossless) if out is not None else {}
 
 
 def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:

@@ -28,17 +28,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from hyco.runtime_check import stage
 
     from hyco.artifacts import run_stage, stage_state
+    from hyco.launch import run_split
     from hyco.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.set or [])
     run_dir = Path(args.run_dir) if args.run_dir else recipe.path(recipe.out)
     out = Path(args.out) if args.out else run_dir / "check"
     section = {**stage.section(recipe), "only": args.config, "prompts": args.prompts}
-    manifest = run_stage("check", out, section, stage.inputs(recipe, run_dir),
-                         lambda tmp: stage.build(recipe, run_dir, tmp, configs=args.config, prompts=args.prompts),
-                         force=args.force)
-    state = stage_state(manifest)
-    mats = ", ".join(f"{name} {v['mat']:.2f}" for name, v in manifest["summary"].items())
-    print(f"MAT per configuration: {mats}: {state}")
-    print(f"wrote {out}/report.json, report.md, check.png")
-    return 0
+
+    def main() -> int:
+        manifest = run_stage("check", out, section, stage.inputs(recipe, run_dir),
+                             lambda tmp: stage.build(recipe, run_dir, tmp, configs=args.config, prompts=args.prompts),
+                             force=args.force)
+        mats = ", ".join(f"{name} {v['mat']:.2f}" for name, v in manifest["summary"].items())
+        print(f"MAT per configuration: {mats}: {stage_state(manifest)}")
+        print(f"wrote {out}/report.json, report.md, check.png")
+        return 0
+
+    return run_split(main, lambda word: stage.build(recipe, run_dir, None, configs=args.config, prompts=args.prompts))

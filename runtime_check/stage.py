@@ -44,7 +44,7 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def build(recipe: Recipe, run_dir: Path, out: Path, *, configs: list[str] | None = None,
+def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str] | None = None,
           prompts: int | None = None) -> dict[str, Any]:
     from hyco.runtime_check.check import run_check
 

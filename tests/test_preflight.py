@@ -56,3 +56,19 @@ def test_an_unreadable_corpus_is_refused(tiny_family, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "no-such/dataset-anywhere" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_verifier_estimate_follows_the_placement_dtype():
+    """26B-A4B's BF16 bytes (50.75 GB, counted by bench/bench_verifier.py): held in BF16 by answers
+    when the placement says so, twice that in fp32 (auto on a CPU), and always fp32 in the check."""
+    from hyco.preflight import estimate, load_growth
+    from hyco.recipe import PlacementConfig
+
+    bf16, auto = PlacementConfig(dtype="bfloat16"), PlacementConfig()
+    assert load_growth("answers", bf16, "bfloat16") == 1.0
+    assert load_growth("answers", auto, "bfloat16") == 2.0  # no GPU here
+    assert load_growth("check", bf16, "bfloat16") == 2.0
+    assert load_growth("answers", PlacementConfig(dtype="float32"), "float32") == 1.0
+    sizes = {"verifier": 50_750_000_000}
+    rows = {r.stage: r.memory_gb for r in estimate(("answers", "check"), sizes, {"answers": 1.0, "check": 2.0})}
+    assert 55 < rows["answers"] < 58 and rows["check"] == pytest.approx(2 * rows["answers"], rel=1e-3)

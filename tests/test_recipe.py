@@ -139,3 +139,41 @@ def test_non_finite_numbers_are_refused(tmp_path, text):
     path.write_text(f"name: r\nout: runs/r\nstages: [vocab]\n{text}\n")
     with pytest.raises(HycoError, match="must be a finite number"):
         load_recipe(path)
+
+
+# --- variants (`base:`) --------------------------------------------------------------------------------
+
+
+def test_the_main_job_is_a_variant_of_the_real_recipe(tmp_path):
+    """recipes/tiny.yaml states only how it differs from recipes/hyco-gemma-4.yaml: a setting it does
+    not state comes from the real recipe file."""
+    import shutil
+
+    root = Path(__file__).parents[1] / "recipes"
+    assert yaml.safe_load((root / "tiny.yaml").read_text())["base"] == "hyco-gemma-4.yaml"
+    for name in ("tiny.yaml", "hyco-gemma-4.yaml"):
+        shutil.copy(root / name, tmp_path / name)
+    real = yaml.safe_load((tmp_path / "hyco-gemma-4.yaml").read_text())
+    real["check"]["top_k"] = 17
+    real["convert"]["rows"] = 21
+    (tmp_path / "hyco-gemma-4.yaml").write_text(yaml.safe_dump(real))
+    tiny = load_recipe(tmp_path / "tiny.yaml")
+    assert (tiny.check.top_k, tiny.convert.rows) == (17, 21)
+    assert tiny.convert.ring_full == 128 and tiny.name == "tiny"  # its own settings win
+    assert load_recipe(root / "tiny.yaml").check.top_k == 64
+
+
+def test_a_variant_merges_sections_and_replaces_lists(tmp_path):
+    (tmp_path / "base.yaml").write_text("version: 1\nname: b\nout: o\nstages: [vocab, convert]\nvocab: {size: 10, reserved_train: 3}\n")
+    (tmp_path / "v.yaml").write_text("base: base.yaml\nname: v\nstages: [vocab]\nvocab: {size: 20}\n")
+    r = load_recipe(tmp_path / "v.yaml")
+    assert (r.name, list(r.stages), r.vocab.size, r.vocab.reserved_train) == ("v", ["vocab"], 20, 3)
+
+
+@pytest.mark.parametrize("case", ["missing", "cycle", "not-a-name"])
+def test_a_bad_base_is_refused_naming_the_file(tmp_path, case):
+    text = {"missing": "base: nope.yaml\n", "cycle": "base: v.yaml\n", "not-a-name": "base: [a]\n"}[case]
+    (tmp_path / "v.yaml").write_text(text + "version: 1\nname: v\n")
+    with pytest.raises(HycoError) as e:
+        load_recipe(tmp_path / "v.yaml")
+    assert ("nope.yaml" if case == "missing" else "v.yaml") in str(e.value)

@@ -111,14 +111,18 @@ def eos_ids_of(model) -> list[int]:
 @torch.no_grad()
 def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, max_new_tokens: dict[str, int],
                      max_prompt_tokens: int, temperature: float = 1.0, top_k: int = 64, top_p: float = 0.95,
-                     seed: int = 0) -> Iterator[dict]:
+                     seed: int = 0, positions: Iterable[int] | None = None) -> Iterator[dict]:
     """Yield one answer record per prompt (see the module doc); `prompts` are vocab/'s records
-    {"id", "index", "split", "turns"}. Greedy and sampled answers stop at the first EOS."""
+    {"id", "index", "split", "turns"}. Greedy and sampled answers stop at the first EOS.
+    `positions`: only these prompts (a process's share of a launch; the seed stays keyed by the
+    position in `prompts`)."""
     if source not in SOURCES:
         raise HycoError(f"answers.source must be one of {list(SOURCES)}, but got {source!r}")
     eos = eos_ids_of(verifier)
     device = verifier.device
-    for i, rec in enumerate(tqdm(prompts, desc=f"answers ({source})", unit="prompt", disable=None)):
+    positions = list(range(len(prompts)) if positions is None else positions)
+    for i in tqdm(positions, desc=f"answers ({source})", unit="prompt", disable=None):
+        rec = prompts[i]
         ids = prompt_ids(tokenizer, rec["turns"], max_prompt_tokens)
         limit = max_new_tokens[rec["split"]]
         if source == "corpus":

@@ -26,8 +26,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", required=True, help="vocab stage output (prompts.jsonl)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--source", choices=SOURCES, default=_DEFAULT.source, help="where the answers come from")
-    p.add_argument("--max-new-tokens-train", type=int, default=_DEFAULT.max_new_tokens_train)
-    p.add_argument("--max-new-tokens-eval", type=int, default=_DEFAULT.max_new_tokens_eval)
+    p.add_argument("--max-new-tokens-train", type=int, default=_DEFAULT.max_new_tokens_train,
+                   help="longest answer to a train prompt (the MTP head's QAT text)")
+    p.add_argument("--max-new-tokens-eval", type=int, default=_DEFAULT.max_new_tokens_eval,
+                   help="longest answer to an eval prompt (calibration and held-out text)")
     p.add_argument("--max-prompt-tokens", type=int, default=_DEFAULT.max_prompt_tokens,
                    help="prompts are cut to their last tokens (the phone's prefill limit)")
     p.add_argument("--temperature", type=float, default=_DEFAULT.temperature, help="sampled source")
@@ -40,7 +42,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_answers(args: argparse.Namespace) -> int:
     from hyco.answers.stage import make_answers
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.artifacts import run_stage
+    from hyco.launch import run_split
 
     try:
         config = dataclasses.replace(_DEFAULT, source=args.source, max_new_tokens_train=args.max_new_tokens_train,
@@ -50,10 +53,20 @@ def _cmd_answers(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise HycoError(str(e)) from None
     paths = {k: Path(getattr(args, k)) for k in ("verifier", "tokenizer", "vocab")}
-    manifest = run_stage("answers", Path(args.out), {"answers": to_dict(config)}, paths,
-                         lambda tmp: make_answers(**paths, config=config, out=tmp), force=args.force)
+
+    def main() -> int:
+        manifest = run_stage("answers", Path(args.out), {"answers": to_dict(config)}, paths,
+                             lambda tmp: make_answers(**paths, config=config, out=tmp), force=args.force)
+        _print_done(args, manifest)
+        return 0
+
+    return run_split(main, lambda word: make_answers(**paths, config=config, out=None))
+
+
+def _print_done(args: argparse.Namespace, manifest: dict) -> None:
+    from hyco.artifacts import stage_state
+
     s = manifest["summary"]
     print(f"{s['answers']} {s['source']} answers ({stage_state(manifest)}); degenerate: {s['degenerate']}")
     print(f"wrote {args.out}/answers.jsonl, answers.json, summary.md")
     print(f"next: hyco-convert qat ... --answers {args.out}; hyco-convert calibrate ... --answers {args.out}")
-    return 0

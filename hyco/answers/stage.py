@@ -21,19 +21,22 @@ from hyco.errors import HycoError
 from hyco.recipe import AnswersConfig, PlacementConfig, Recipe, to_dict
 
 
-def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path,
+def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path | None,
                  placement: PlacementConfig | None = None) -> dict[str, Any]:
     """Write OUT/answers.jsonl, answers.json and summary.md; return a short summary. For
     `source: corpus` only the verifier's generation config is read (its end-of-turn ids);
-    `placement`: the verifier's dtype and devices (default: BF16 on a GPU, fp32 on the CPU)."""
+    `placement`: the verifier's dtype and devices (default: BF16 on a GPU, fp32 on the CPU).
+    Under `accelerate launch` each process answers its share of the prompts (`hyco.launch`); a
+    follower process passes `out=None` and writes nothing."""
     from transformers import GenerationConfig
 
     from hyco.answers import generate_answers, write_answers
+    from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer, load_verifier
     from hyco.vocab.keepset import load_prompts
 
+    start_followers()
     start = time.perf_counter()
-    out = Path(out)
     tok = load_tokenizer(Path(tokenizer))
     prompts = load_prompts(vocab)
     if not any(p["split"] == "train" for p in prompts) or not any(p["split"] == "eval" for p in prompts):
@@ -45,9 +48,14 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
     else:
         model = load_verifier(verifier, placement or PlacementConfig())
     lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
-    records = list(generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,
-                                    max_prompt_tokens=config.max_prompt_tokens, temperature=config.temperature,
-                                    top_k=config.top_k, top_p=config.top_p, seed=config.seed))
+    mine = my_positions(len(prompts))
+    records = generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,
+                               max_prompt_tokens=config.max_prompt_tokens, temperature=config.temperature,
+                               top_k=config.top_k, top_p=config.top_p, seed=config.seed, positions=mine)
+    records = in_order(list(zip(mine, records, strict=True)), len(prompts), "answers")
+    if out is None:
+        return {}
+    out = Path(out)
     report = write_answers(out, records, {**to_dict(config), "max_new_tokens": lengths}, tok)
     rows = [{"split": split, **s} for split, s in report["stats"].items()]
     md = (f"# answers: {config.source}\n\n{len(records)} answers to vocab/'s reserved prompts (up to "

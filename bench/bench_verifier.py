@@ -1,0 +1,211 @@
+"""Full-size dry run of the verifier's side: a stand-in for Gemma 4 26B-A4B at its real layer shapes
+(hidden 2,816; MoE of 128 experts, top-8, expert width 704, beside a dense MLP of 2,112; 16 heads;
+sliding K/V 8 x 256, full K/V 2 x 512 with K = V; the real 262,144-token vocabulary), a few layers
+deep, through the answers stage's generation and qat's teacher-forced capture, loaded in BF16 as
+`placement.dtype: bfloat16` loads it.
+
+    .venv/bin/python bench/bench_verifier.py --out DIR [--layers 2 4] [--prompts 2] [--new-tokens 16]
+
+For each depth it writes the stand-in (random BF16 weights, hyco/fixtures/fullsize.py; every
+second layer full, so each depth has both kinds) and runs each phase in a fresh interpreter, its
+peak RSS the child's `ru_maxrss` (os.wait4): `load` (the checkpoint into memory), `answers`
+(greedy answers to the prompts, `hyco.answers.generate_answers`), `capture` (qat's capture over
+prompt + answer, `hyco.qat.capture.capture_answers`). The load is inside every phase's figure and
+also reported alone.
+
+The whole model is 30 layers (25 sliding, 5 full). Each figure is fitted as a + b x layers over
+the depths run by least squares (a: embedding, lm_head, the interpreter; b: one layer, the mean of
+a sliding and a full one) and extrapolated to 30; the BF16 weight bytes of the 30-layer model are counted
+exactly from its configuration on the meta device. Random weights: the answers are not text, and
+the MoE routing is random (every token still runs 8 experts), so times are the real work's.
+Writes DIR/bench_report.json and DIR/bench_summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fullsize import measure, speed_probe_in_child  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_LAYERS = 30
+PHASES = ("load", "answers", "capture")
+PROMPTS = ("Explain how a heat pump can warm a house in winter while the air outside is cold.",
+           "Write a short letter to a neighbour asking to borrow a ladder for the weekend.",
+           "What are three things to check before buying a used bicycle?",
+           "Summarize the plot of a detective story in which the detective is the culprit.")
+
+
+def a4b_shape(layers: int):
+    from hyco.fixtures.presets import VERIFIER_26B_A4B
+
+    return dataclasses.replace(VERIFIER_26B_A4B, num_layers=layers, full_period=2)
+
+
+def write_stand_in(folder: Path, layers: int) -> Path:
+    from hyco.fixtures.fullsize import write_family
+    from hyco.fixtures.presets import PRESETS
+
+    spec = dataclasses.replace(PRESETS["e2b-shapes"], verifier=a4b_shape(layers))
+    return write_family(folder, spec, only=("verifier",))["verifier"]
+
+
+def prompt_records() -> list[dict]:
+    return [{"id": f"bench-{i}", "index": i, "split": "train", "turns": [["user", text]]}
+            for i, text in enumerate(PROMPTS)]
+
+
+def run_phase(phase: str, verifier: Path, work: Path, prompts: int, new_tokens: int) -> dict:
+    """One phase in this (child) process; its own figures, printed as JSON by the caller."""
+    import torch
+    from hyco.qat.capture import capture_answers
+
+    from hyco.answers import generate_answers
+    from hyco.loading import load_tokenizer, load_verifier
+    from hyco.recipe import PlacementConfig
+
+    start = time.perf_counter()
+    model = load_verifier(verifier, PlacementConfig(dtype="bfloat16"))
+    figures = {"load_s": round(time.perf_counter() - start, 2), "dtype": str(next(model.parameters()).dtype)}
+    if phase == "answers":
+        tok = load_tokenizer(verifier)
+        start = time.perf_counter()
+        records = list(generate_answers(model, tok, prompt_records()[:prompts], source="greedy",
+                                        max_new_tokens={"train": new_tokens}, max_prompt_tokens=64))
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r["answer_ids"]) for r in records)
+        (work / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        figures |= {"answers_s": round(seconds, 2), "new_tokens": tokens, "s_per_token": round(seconds / tokens, 3),
+                    "prompt_tokens": sum(len(r["prompt_ids"]) for r in records)}
+    elif phase == "capture":
+        records = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines()]
+        start = time.perf_counter()
+        with torch.no_grad():
+            rows = capture_answers(model, records, work / "captures", "after_norm")
+        seconds = time.perf_counter() - start
+        tokens = sum(r["tokens"] for r in rows)
+        figures |= {"capture_s": round(seconds, 2), "tokens": tokens, "s_per_token": round(seconds / tokens, 4),
+                    "capture_bytes": sum(p.stat().st_size for p in (work / "captures").iterdir())}
+    return figures
+
+
+def weight_bytes(layers: int) -> int:
+    """BF16 bytes of the stand-in's parameters at `layers`, counted on the meta device."""
+    from hyco.fixtures import models
+    from hyco.fixtures.presets import PRESETS
+    from hyco.fixtures.writer import family_configs
+
+    spec = dataclasses.replace(PRESETS["e2b-shapes"], verifier=a4b_shape(layers))
+    config = family_configs(spec)["verifier"]
+    return 2 * sum(int(n) for n in (_numel(s) for s in models.stored_names(models.meta_model(config)).values()))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def fit(depths: list[int], values: list[float]) -> dict:
+    """a + b x layers by least squares over the depths run, its largest residual (how straight the
+    line is), and its value at the whole model's depth."""
+    import numpy as np
+
+    b, a = np.polyfit(np.asarray(depths, float), np.asarray(values, float), 1)
+    residual = max(abs(v - (a + b * n)) for n, v in zip(depths, values, strict=True))
+    return {"per_layer": round(float(b), 4), "fixed": round(float(a), 4), "max_residual": round(float(residual), 4),
+            "at_30_layers": round(float(a + b * FULL_LAYERS), 2)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--keep", action="store_true", help="keep the written stand-ins (GBs each)")
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--verifier", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        print(json.dumps(run_phase(args.phase, args.verifier, args.work, args.prompts, args.new_tokens)))
+        return 0
+    if len(args.layers) < 2 or sorted(set(args.layers)) != args.layers or any(n % 2 for n in args.layers):
+        parser.error("--layers: at least two distinct even depths, ascending (each has sliding and full layers)")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": {"python": platform.python_version(), "speed_probe": speed_probe_in_child(out)},
+              "shape": dataclasses.asdict(a4b_shape(FULL_LAYERS)), "prompts": args.prompts,
+              "new_tokens": args.new_tokens, "depths": {}}
+    for layers in args.layers:
+        folder, work = out / f"stand-in-{layers}", out / f"work-{layers}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        start = time.perf_counter()
+        verifier = write_stand_in(folder, layers)
+        row = {"write_s": round(time.perf_counter() - start, 1),
+               "checkpoint_bytes": sum(p.stat().st_size for p in verifier.glob("*.safetensors")),
+               "weight_bytes": weight_bytes(layers)}
+        for phase in PHASES:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--phase", phase,
+                   "--verifier", str(verifier), "--work", str(work), "--prompts", str(args.prompts),
+                   "--new-tokens", str(args.new_tokens)]
+            log = out / "logs" / f"{phase}-{layers}.log"
+            figures = measure(cmd, log)
+            if figures["rc"] != 0:
+                raise SystemExit(f"bench_verifier: phase {phase} at {layers} layers failed (rc {figures['rc']}); see {log}")
+            figures |= json.loads(log.read_text().strip().splitlines()[-1])
+            row[phase] = figures
+            print(f"{layers} layers, {phase}: {figures}", flush=True)
+        report["depths"][layers] = row
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    depths = args.layers
+    rows = [report["depths"][n] for n in depths]
+    report["whole_model"] = {
+        "layers": FULL_LAYERS,
+        "weight_bytes": weight_bytes(FULL_LAYERS),
+        "load_s": fit(depths, [r["load"]["load_s"] for r in rows]),
+        "answers_s_per_token": fit(depths, [r["answers"]["s_per_token"] for r in rows]),
+        "capture_s_per_token": fit(depths, [r["capture"]["s_per_token"] for r in rows]),
+        **{f"{phase}_peak_rss_mb": fit(depths, [r[phase]["peak_rss_mb"] for r in rows]) for phase in PHASES},
+    }
+    (out / "bench_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench_summary.md").write_text(summary(report))
+    print(summary(report))
+    return 0
+
+
+def summary(report: dict) -> str:
+    whole = report["whole_model"]
+    lines = ["# Verifier-side dry run: a 26B-A4B-shaped stand-in in BF16 on this machine's CPU", "",
+             f"{report['prompts']} prompts, up to {report['new_tokens']} greedy new tokens each; random weights.", "",
+             "| layers | checkpoint GB | load s | answers s/token | capture s/token | peak RSS MiB (load / answers / capture) |",
+             "|---|---|---|---|---|---|"]
+    for layers, r in report["depths"].items():
+        lines.append(f"| {layers} | {r['checkpoint_bytes'] / 1e9:.2f} | {r['load']['load_s']} | "
+                     f"{r['answers']['s_per_token']} | {r['capture']['s_per_token']} | "
+                     f"{r['load']['peak_rss_mb']:.0f} / {r['answers']['peak_rss_mb']:.0f} / {r['capture']['peak_rss_mb']:.0f} |")
+    lines.append(f"| **30 (fitted)** | {whole['weight_bytes'] / 1e9:.2f} (counted) | {whole['load_s']['at_30_layers']} | "
+                 f"{whole['answers_s_per_token']['at_30_layers']} | {whole['capture_s_per_token']['at_30_layers']} | "
+                 f"{whole['load_peak_rss_mb']['at_30_layers']:.0f} / {whole['answers_peak_rss_mb']['at_30_layers']:.0f} / "
+                 f"{whole['capture_peak_rss_mb']['at_30_layers']:.0f} |")
+    residuals = {k: v["max_residual"] for k, v in whole.items() if isinstance(v, dict)}
+    lines += ["", "Fitted as a + b x layers by least squares over the depths run (largest residual per figure: "
+              f"{json.dumps(residuals)}); the whole model's BF16 weight bytes are counted from its configuration. "
+              "Speed probe: " + json.dumps(report["machine"]["speed_probe"]), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
