@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fullsize import measure, speed_probe_in_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL_LAYERS = 30
+FULL_LAYERS, FULL_PERIOD = 30, 6
 PHASES = ("load", "answers", "capture")
 PROMPTS = ("Explain how a heat pump can warm a house in winter while the air outside is cold.",
            "Write a short letter to a neighbour asking to borrow a ladder for the weekend.",
@@ -44,10 +44,14 @@ PROMPTS = ("Explain how a heat pump can warm a house in winter while the air out
            "Summarize the plot of a detective story in which the detective is the culprit.")
 
 
-def a4b_shape(layers: int):
-    from hyco.fixtures.presets import VERIFIER_26B_A4B
+def a4b_shape(layers: int, full_period: int = 2):
+    """Gemma 4 26B-A4B's text model (its config.json) at `layers`, every `full_period`-th layer full
+    (the model: 30 layers, every sixth full; the stand-ins: every second, so each depth has both)."""
+    from hyco.fixtures.presets import VerifierShape
 
-    return dataclasses.replace(VERIFIER_26B_A4B, num_layers=layers, full_period=2)
+    return VerifierShape(hidden=2816, intermediate=2112, num_layers=layers, full_period=full_period, heads=16, kv_heads=8,
+                         head_dim=256, global_kv_heads=2, global_head_dim=512, sliding_window=1024,
+                         experts=128, top_k_experts=8, moe_intermediate=704)
 
 
 def write_stand_in(folder: Path, layers: int) -> Path:
@@ -97,13 +101,13 @@ def run_phase(phase: str, verifier: Path, work: Path, prompts: int, new_tokens: 
     return figures
 
 
-def weight_bytes(layers: int) -> int:
-    """BF16 bytes of the stand-in's parameters at `layers`, counted on the meta device."""
+def weight_bytes(layers: int, full_period: int = 2) -> int:
+    """BF16 bytes of the parameters at `layers`, counted on the meta device."""
     from hyco.fixtures import models
     from hyco.fixtures.presets import PRESETS
     from hyco.fixtures.writer import family_configs
 
-    spec = dataclasses.replace(PRESETS["e2b-shapes"], verifier=a4b_shape(layers))
+    spec = dataclasses.replace(PRESETS["e2b-shapes"], verifier=a4b_shape(layers, full_period))
     config = family_configs(spec)["verifier"]
     return 2 * sum(int(n) for n in (_numel(s) for s in models.stored_names(models.meta_model(config)).values()))
 
@@ -145,7 +149,7 @@ def main() -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"python": platform.python_version(), "speed_probe": speed_probe_in_child(out)},
-              "shape": dataclasses.asdict(a4b_shape(FULL_LAYERS)), "prompts": args.prompts,
+              "shape": dataclasses.asdict(a4b_shape(FULL_LAYERS, FULL_PERIOD)), "prompts": args.prompts,
               "new_tokens": args.new_tokens, "depths": {}}
     for layers in args.layers:
         folder, work = out / f"stand-in-{layers}", out / f"work-{layers}"
@@ -174,7 +178,7 @@ def main() -> int:
     rows = [report["depths"][n] for n in depths]
     report["whole_model"] = {
         "layers": FULL_LAYERS,
-        "weight_bytes": weight_bytes(FULL_LAYERS),
+        "weight_bytes": weight_bytes(FULL_LAYERS, FULL_PERIOD),
         "load_s": fit(depths, [r["load"]["load_s"] for r in rows]),
         "answers_s_per_token": fit(depths, [r["answers"]["s_per_token"] for r in rows]),
         "capture_s_per_token": fit(depths, [r["capture"]["s_per_token"] for r in rows]),
