@@ -93,14 +93,21 @@ def file_table(bundle: Path) -> dict[str, dict[str, Any]]:
             for p, d in zip(files, file_digests(files), strict=True)}
 
 
-def verify_bundle(bundle: Path) -> dict[str, Any]:
-    """Check every file against bundle.json and every binary against io_spec; returns bundle.json."""
+def verify_bundle(bundle: Path, soc_model: int | None = None) -> dict[str, Any]:
+    """Check every file against bundle.json and every binary against io_spec; returns bundle.json.
+    `soc_model`: the SoC the caller runs for; a bundle built for another is refused, and so is a
+    binary whose own socModel or Hexagon arch (read through libQnnSystem) is not the bundle's."""
+    from hyco.export.qnn import SOCS
     from hyco.export.qnn_system import binary_info
 
     bundle = Path(bundle)
     meta = read_json(bundle / BUNDLE_JSON, BUNDLE_JSON)
     if meta.get("version") != BUNDLE_VERSION:
         raise HycoError(f"{bundle / BUNDLE_JSON}: version must be {BUNDLE_VERSION}, but got {meta.get('version')}")
+    if soc_model is not None and meta.get("soc_model") != soc_model:
+        name = lambda m: SOCS.get(m, ("an unknown chip",))[0]
+        raise HycoError(f"{bundle / BUNDLE_JSON}: built for soc_model {meta.get('soc_model')} ({name(meta.get('soc_model'))}), "
+                        f"but this run targets soc_model {soc_model} ({name(soc_model)}): export it again for that SoC")
     for name in REQUIRED:
         if name not in meta["files"]:
             raise HycoError(f"{bundle / BUNDLE_JSON}: lists no {name} (the runtime needs it)")
@@ -128,6 +135,9 @@ def verify_bundle(bundle: Path) -> dict[str, Any]:
             if info["soc_model"] is not None and info["soc_model"] != meta["soc_model"]:
                 raise HycoError(f"{bundle / part['binary']}: built for soc_model {info['soc_model']}, but the bundle "
                                 f"targets {meta['soc_model']}")
+            if info.get("htp_arch") is not None and info["htp_arch"] != meta["htp_arch"]:
+                raise HycoError(f"{bundle / part['binary']}: built for Hexagon v{info['htp_arch']}, but the bundle "
+                                f"targets v{meta['htp_arch']}")
             part_spec = GraphSpec.from_dict(part["io"]) if len(g["parts"]) > 1 else specs[g["spec"]]
             check_binary_io(info, part_spec, str(bundle / part["binary"]), str(bundle / "io_spec.json"))
     return meta

@@ -64,6 +64,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "own bound from calibrate, htp_logprob_bound in the bundle's io_spec.json)")
     s.add_argument("--no-isolate", action="store_true",
                    help="run every context in this process (HTP results were seen to leak between sessions)")
+    s.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model,
+                   help="the SoC the bundle must have been built for (87: SM8850); another is refused")
     s.add_argument("--out", help="report folder (default: BUNDLE/../smoke)")
     s.set_defaults(func=_cmd_smoke)
 
@@ -125,7 +127,8 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle)
     out = Path(args.out) if args.out else bundle.parent / "smoke"
     report = smoke(bundle=bundle, verifier=Path(args.verifier), prompts=args.prompts,
-                   rounds=args.rounds, tolerance=args.tolerance, isolate=not args.no_isolate, out=out)
+                   rounds=args.rounds, tolerance=args.tolerance, isolate=not args.no_isolate, out=out,
+                   soc_model=args.soc_model)
     print(report["headline"])
     print(f"wrote {out}/report.json, summary.md")
     return 0 if report["passed"] else 1

@@ -13,6 +13,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hyco.errors import HycoError
 from hyco.recipe import HTP_OPTIMIZATION_LEVELS
@@ -39,6 +40,47 @@ def soc_info(soc_model: int, htp_arch: int | None = None) -> tuple[str, int]:
     if htp_arch is not None and htp_arch != arch:
         raise HycoError(f"export.htp_arch must be {arch} for soc_model {soc_model} ({chip}), but got {htp_arch}")
     return chip, arch
+
+
+def settle_soc(chip: str) -> dict[str, Any]:
+    """What the installed QNN libraries call `chip`: a one-node graph compiled with `soc_model` given
+    as the chip's name (onnxruntime-qnn's own name table, `SocModelFromName` in
+    libonnxruntime_providers_qnn.so) and read back from its context binary through libQnnSystem.so
+    (socModel, and the context metadata's dspArch). Sources disagree on SM8850's number (87 or 88);
+    the libraries that build and load the binaries decide, and this asks them."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+    import onnxruntime_qnn
+    from hyco.export.qnn_system import binary_info
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "soc_probe", [x], [y])
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "probe.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), model)
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        for k, v in {"ep.context_enable": "1", "ep.context_file_path": str(Path(tmp) / "probe_ctx.onnx"),
+                     "ep.context_embed_mode": "0", "session.disable_cpu_ep_fallback": "1"}.items():
+            so.add_session_config_entry(k, v)
+        so.add_provider_for_devices(qnn_devices(), {"backend_path": onnxruntime_qnn.get_qnn_htp_path(),
+                                                    "soc_model": chip, **prepare_options(0)})
+        try:
+            ort.InferenceSession(str(model), sess_options=so)
+        except Exception as e:  # onnxruntime's own types; the cause is in the text
+            raise HycoError(f"the installed QNN libraries do not know the chip {chip!r} ({str(e).splitlines()[0][:160]})") from None
+        info = binary_info(next(Path(tmp).glob("*.bin")))
+    if not info["soc_model"]:  # a name outside its table compiles anyway, for socModel 0
+        raise HycoError(f"the installed QNN libraries do not know the chip {chip!r} (a probe built for it reads back "
+                        "as socModel 0)")
+    return {"chip": chip, "soc_model": info["soc_model"], "htp_arch": info["htp_arch"], "qnn_build": info["build_id"],
+            "how": f"a probe graph compiled with soc_model {chip!r} (onnxruntime-qnn's chip-name table, "
+                   "libonnxruntime_providers_qnn.so) reads back through libQnnSystem.so as socModel "
+                   f"{info['soc_model']}, dspArch {info['htp_arch']}"}
 
 
 def qnn_devices():

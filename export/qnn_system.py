@@ -141,6 +141,15 @@ def _tensor(t: _Tensor) -> dict[str, Any]:
     return row
 
 
+def _dsp_arch(metadata: int | None, size: int) -> int | None:
+    """The Hexagon arch an HTP context was built for: its context metadata is {version 1, dspArch}
+    (two uint32, QNN_SYSTEM_CONTEXT_HTP_CONTEXT_INFO_BLOB_VERSION_V1); None for any other form."""
+    if not metadata or size != 8:
+        return None
+    version, arch = (C.c_uint32 * 2).from_address(metadata)
+    return int(arch) if version == 1 else None
+
+
 def binary_info(path: Path) -> dict[str, Any]:
     """The metadata QNN itself reads from a context binary (raises HycoError naming the file)."""
     path = Path(path)
@@ -163,9 +172,11 @@ def binary_info(path: Path) -> dict[str, Any]:
             raise HycoError(f"{path}: libQnnSystem cannot read this context binary (error {err}): corrupt or not a "
                             "QNN context binary")
         version = info.contents.version
+        htp_arch = None
         if version == 3:
             b = C.cast(info, C.POINTER(_BinaryInfoAsV3)).contents.v3
             soc_model = int(b.socModel)
+            htp_arch = _dsp_arch(b.contextMetadata, b.contextMetadataSize)
         elif version in (1, 2):
             b = info.contents.v1
             soc_model = None
@@ -180,7 +191,7 @@ def binary_info(path: Path) -> dict[str, Any]:
         version_str = lambda v: f"{v.major}.{v.minor}.{v.patch}"
         return {"info_version": int(version), "backend_id": int(b.backendId), "build_id": b.buildId.decode(),
                 "core_api": version_str(b.coreApiVersion), "backend_api": version_str(b.backendApiVersion),
-                "soc_version": (b.socVersion or b"").decode(), "soc_model": soc_model,
+                "soc_version": (b.socVersion or b"").decode(), "soc_model": soc_model, "htp_arch": htp_arch,
                 "context_blob_bytes": int(b.contextBlobSize), "graphs": graphs}
     finally:
         iface.systemContextFree(handle)

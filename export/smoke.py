@@ -196,10 +196,12 @@ def check_verifier(bundle: Path, recorded: dict | None, verifier: Path) -> None:
 
 
 def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance: float | None = None,
-          isolate: bool = True, out: Path | None = None, named_as: Path | None = None) -> dict[str, Any]:
+          isolate: bool = True, out: Path | None = None, named_as: Path | None = None,
+          soc_model: int | None = None) -> dict[str, Any]:
     """`tolerance` None: each graph is held to its own bound from the bundle's io_spec
     (`graph_bounds`); a number: that bound for every graph. `named_as`: the bundle's folder as the
-    reports name it (export builds the bundle in a temp folder)."""
+    reports name it (export builds the bundle in a temp folder). `soc_model`: the SoC the smoke
+    run is for; a bundle built for another is refused."""
     from hyco.export.bundle import verify_bundle
     from hyco.runtime_check.check import load_model, load_prompts
     from hyco.runtime_check.configs import decode_config
@@ -214,7 +216,7 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
 
     bundle = Path(bundle)
     start = time.perf_counter()
-    meta = verify_bundle(bundle)
+    meta = verify_bundle(bundle, soc_model)
     shared = sorted(r for r, g in meta["graphs"].items() if g.get("shared_context"))
     if shared:
         raise HycoError(f"{bundle / 'bundle.json'}: {' and '.join(shared)} share one context binary (unverified); the x86 "

@@ -181,13 +181,18 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     `final`: where `out` will be once the stage is done (it is built in a temp folder), the
     folder the reports name. Returns a short summary for the manifest."""
     from hyco.export.bundle import BUNDLE_JSON, BUNDLE_VERSION, file_table
-    from hyco.export.qnn import soc_info
+    from hyco.export.qnn import settle_soc, soc_info
 
     start = time.perf_counter()
     # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next (full
     # size: 6,640 MiB peak with it, 7,545 MiB without; the two SLM compiles 396 s instead of 383 s)
     return_large_blocks()
     chip, arch = soc_info(config.soc_model, config.htp_arch)
+    settled = settle_soc(chip)
+    if (settled["soc_model"], settled["htp_arch"]) != (config.soc_model, arch):
+        raise HycoError(f"export.soc_model {config.soc_model} is {chip} (v{arch}) in hyco-convert's table, but the installed "
+                        f"QNN libraries build {chip} as soc_model {settled['soc_model']}, v{settled['htp_arch']}: the table "
+                        "is stale for this QNN release")
     if config.backend == "qai-hub":
         raise HycoError("export.backend 'qai-hub': use `hyco-convert export --hub` (compile and profile jobs on "
                         f"{config.device!r}); the pipeline compiles offline with onnxruntime-qnn")
@@ -200,7 +205,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
                               tokenizer=Path(tokenizer) if tokenizer else None, reference_graphs=config.reference_graphs)
     graphs = compile_graphs(bundle, Path(calibrate), specs, config, phase)
     versions = toolchain_versions()
-    meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch,
+    meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "soc_settled": settled,
             "htp_optimization_level": config.htp_optimization_level,
             "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"], "onnxruntime_qnn": versions.get("onnxruntime-qnn"),
             "reference_verifier": verifier_identity(Path(verifier)) if verifier else None,
@@ -217,7 +222,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
         with phase("smoke"):
             smoke = run_smoke(bundle=bundle, verifier=Path(verifier), prompts=config.smoke_prompts,
                               rounds=config.smoke_rounds, tolerance=config.logprob_tolerance, isolate=config.isolate,
-                              out=out / "smoke", named_as=Path(final or out) / "bundle")
+                              out=out / "smoke", named_as=Path(final or out) / "bundle", soc_model=config.soc_model)
     failed = None
     if smoke is not None and not smoke["passed"]:
         worst = ", ".join(f"{g} max |dlogprob| {v['max_logprob_diff']}"

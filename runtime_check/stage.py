@@ -49,6 +49,10 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
     from hyco.runtime_check.check import run_check
 
     paths = inputs(recipe, run_dir)
+    if recipe.check.backend == "qnn":  # a bundle built for another SoC than the recipe's is refused
+        from hyco.export.bundle import verify_bundle
+
+        verify_bundle(paths["convert"], recipe.export.soc_model)
     return run_check(verifier=paths["verifier"], assistant=paths["assistant"], slm=paths["slm"],
                      tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
                      config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),

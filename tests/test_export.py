@@ -119,12 +119,15 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
     meta = json.loads((bundle / "bundle.json").read_text())
     assert meta["soc_model"] == 87 and meta["chip"] == "SM8850" and meta["htp_arch"] == 81
     assert meta["htp_optimization_level"] == 0  # QNN's default: what ships
+    settled = meta["soc_settled"]  # asked of the installed QNN libraries at export, not copied from a table
+    assert (settled["chip"], settled["soc_model"], settled["htp_arch"]) == ("SM8850", 87, 81)
+    assert "libonnxruntime_providers_qnn.so" in settled["how"] and "libQnnSystem.so" in settled["how"]
     assert set(meta["graphs"]) == {"tree", "prefill", "mtp_step"}
     specs = read_io_spec(bundle / "io_spec.json")
     for role, g in meta["graphs"].items():
         (part,) = g["parts"]  # under the 2 GiB default nothing is split
         info = binary_info(bundle / part["binary"])  # read independently of what export recorded
-        assert info["soc_model"] == 87 and info["build_id"].startswith("v2.")
+        assert info["soc_model"] == 87 and info["htp_arch"] == 81 and info["build_id"].startswith("v2.")
         spec = specs[g["spec"]]
         for kind, tensors in (("inputs", spec.inputs), ("outputs", spec.outputs)):
             # QNN describes integer-code I/O (calibrate's uint8 KV) as fixed point: value =
@@ -143,6 +146,45 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
                     assert got[name][2][1] == q[1] and got[name][2][0] == pytest.approx(q[0], rel=1e-6), (role, name)
         assert g["weight_bytes"] > 0 and part["binary_bytes"] == (bundle / part["binary"]).stat().st_size
     verify_bundle(bundle)  # every sha256 and every binary's I/O check out
+
+
+@pytest.mark.parametrize("chip, number", [("SM8850", 87), ("SC8480XP", 88), ("SM8750", 69)])
+def test_the_installed_qnn_libraries_settle_the_soc_number(chip, number):
+    """SM8850 is 87 by the libraries that build and load the binaries; 88, which some sources give for
+    it, is SC8480XP there."""
+    from hyco.export.qnn import settle_soc
+
+    settled = settle_soc(chip)
+    assert settled["soc_model"] == number
+    if chip == "SM8850":
+        assert settled["htp_arch"] == 81
+
+
+def test_an_unknown_chip_name_is_refused():
+    from hyco.export.qnn import settle_soc
+
+    with pytest.raises(HycoError, match="do not know the chip 'SM9999'"):
+        settle_soc("SM9999")
+
+
+def test_a_bundle_for_another_soc_is_refused_with_one_line(tiny_export, tiny_family, tmp_path, capsys):
+    from hyco.cli import main
+
+    bundle, _ = tiny_export
+    args = ["smoke", str(bundle), "--verifier", str(tiny_family["verifier"]), "--out", str(tmp_path / "smoke")]
+    assert main([*args, "--soc-model", "69"]) == 2  # the bundle was built for 87
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "built for soc_model 87 (SM8850), but this run targets soc_model 69 (SM8750)" in err[0], err
+
+    relabelled = _tampered(bundle, tmp_path / "relabelled")  # bundle.json says SM8750; the binaries say otherwise
+    meta = json.loads((relabelled / "bundle.json").read_text())
+    meta.update(soc_model=69, chip="SM8750", htp_arch=79)
+    (relabelled / "bundle.json").write_text(json.dumps(meta))
+    assert main(["smoke", str(relabelled), "--verifier", str(tiny_family["verifier"]), "--soc-model", "69",
+                 "--out", str(tmp_path / "smoke2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "built for soc_model 87, but the bundle targets 69" in err[0], err
+    assert not (tmp_path / "smoke").exists() and not (tmp_path / "smoke2").exists()
 
 
 def _tampered(bundle: Path, tmp_path: Path) -> Path:
