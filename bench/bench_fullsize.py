@@ -258,7 +258,10 @@ def sizes(run_dir: Path) -> dict:
         per_pass.append({"graph": role, "weight_bytes": weights, "binary_bytes": by_graph.get(role, {}).get("binary_bytes"),
                          "floor_ms_at_60GBps": round(weights / BANDWIDTH * 1e3, 2)})
     luts = {p.name: p.stat().st_size for p in sorted((convert / "luts").glob("*.safetensors"))}
-    return {"table3": table3, "context_binaries": binaries, "weight_bytes_per_pass": per_pass, "slm_luts": luts}
+    bundle = export / "bundle" / "bundle.json"
+    footprint = json.loads(bundle.read_text()).get("footprint") if bundle.is_file() else None
+    return {"table3": table3, "context_binaries": binaries, "weight_bytes_per_pass": per_pass, "slm_luts": luts,
+            "device_footprint": footprint}
 
 
 # --- report --------------------------------------------------------------------------------------------
@@ -323,6 +326,11 @@ def summary_md(report: dict) -> str:
                "measured 15.7 ms for its 754 MB SLM graph):", "",
                markdown_table([{**r, "weight_bytes": mb(r["weight_bytes"]), "binary_bytes": mb(r["binary_bytes"])}
                                for r in s["weight_bytes_per_pass"]], list(s["weight_bytes_per_pass"][0]))]
+    if s.get("device_footprint"):
+        from hyco.export.bundle import footprint_markdown
+
+        md += ["", "## The device footprint (bundle.json, read from the binaries)", "",
+               footprint_markdown(s["device_footprint"])]
     if report.get("failure"):
         md += ["", f"**Stopped at {report['failure']['stage']}** (exit {report['failure']['rc']}):", "", "```",
                report["failure"]["log_tail"], "```"]
@@ -345,6 +353,10 @@ def print_table(report: dict) -> None:
               f"binary {mb(r['context_binary_bytes']):>10}  {vs}")
     for r in report["sizes"]["weight_bytes_per_pass"]:
         print(f"  {r['graph']:<8} weights/pass {mb(r['weight_bytes']):>10} -> floor {r['floor_ms_at_60GBps']} ms at 60 GB/s")
+    if report["sizes"].get("device_footprint"):
+        from hyco.export.bundle import footprint_markdown
+
+        print("\nDevice footprint (bundle.json, read from the binaries):\n" + footprint_markdown(report["sizes"]["device_footprint"]))
     for g in report["goals"]:
         print(f"  goal {g['goal']}: {g['figure']} -> {'met' if g['met'] else 'NOT met'}")
 

@@ -25,6 +25,48 @@ REQUIRED = ("io_spec.json", "rope.json", "luts/embed_tokens.safetensors", "embed
             "keep_set.json", "keep_to_vocab.npy", "vocab_to_keep.npy")
 
 
+# The paper's Table 3 (decimal bytes): what the phone holds.
+TABLE3 = {"slm": ("SLM NPU graph", 754e6), "mtp_graph": ("MTP graph at W4", 123e6),
+          "mtp_lut": ("MTP embedding LUT (8-bit)", 242e6), "mtp_drafter": ("MTP Drafter (graph + LUT)", 365e6)}
+MTP_LUT = "embed_lut.safetensors"
+
+
+def device_footprint(graphs: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+    """What the phone holds, read from the binaries: each context's resident bytes (libQnnSystem's
+    contextBlobSize: the weights and the compiled graph HTP loads), per graph and in total with a
+    context two graphs share counted once; the CPU's LUT files; and the comparison with Table 3.
+    The NPU figures come from the .bin files, not from the ONNX graphs."""
+    contexts: dict[str, int] = {}
+    per_graph = {}
+    for role, g in graphs.items():
+        per_graph[role] = sum(p["context_blob_bytes"] for p in g["parts"])
+        for p in g["parts"]:
+            contexts[p["binary"]] = p["context_blob_bytes"]
+    luts = {name: row["bytes"] for name, row in files.items() if name.startswith("luts/") or name == MTP_LUT}
+    slm = sum(contexts[p["binary"]] for role in ("tree", "prefill") for p in graphs[role]["parts"]
+              if not (role == "prefill" and p["binary"] in {q["binary"] for q in graphs["tree"]["parts"]}))
+    mtp = per_graph["mtp_step"]
+    ours = {"slm": slm, "mtp_graph": mtp, "mtp_lut": luts.get(MTP_LUT), "mtp_drafter": mtp + luts.get(MTP_LUT, 0)}
+    table3 = [{"item": label, "paper_bytes": int(paper), "bundle_bytes": ours[key],
+               "vs_paper": None if ours[key] is None else round(ours[key] / paper - 1, 4)}
+              for key, (label, paper) in TABLE3.items()]
+    return {"resident_per_graph": per_graph, "resident_per_context": contexts,
+            "npu_resident_total": sum(contexts.values()), "cpu_luts": luts, "cpu_lut_total": sum(luts.values()),
+            "table3": table3,
+            "how": "NPU: each context binary's contextBlobSize read through libQnnSystem (a context two graphs share "
+                   "counts once in the totals); CPU: the LUT files' bytes. Table 3's SLM row is tree + prefill."}
+
+
+def footprint_markdown(footprint: dict[str, Any]) -> str:
+    mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f} MB"
+    rows = ["| item | paper | this bundle | vs paper |", "|---|---|---|---|"]
+    rows += [f"| {r['item']} | {mb(r['paper_bytes'])} | {mb(r['bundle_bytes'])} | "
+             + ("-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%") + " |" for r in footprint["table3"]]
+    per_graph = ", ".join(f"{g} {mb(b)}" for g, b in footprint["resident_per_graph"].items())
+    return ("\n".join(rows) + f"\n\nNPU resident per graph: {per_graph}; in total {mb(footprint['npu_resident_total'])} "
+            f"(a shared context once). CPU LUTs {mb(footprint['cpu_lut_total'])}. {footprint['how']}\n")
+
+
 def weight_bytes(graph: Path) -> int:
     """Bytes of every initializer (INT4 packed two per byte): what one pass reads from memory."""
     import onnx

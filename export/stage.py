@@ -127,7 +127,8 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
                          "nodes": compiled.nodes, "weight_bytes": weight_bytes(graph),
                          "qnn_graphs": [g["name"] for g in info["graphs"]], "qnn_build": info["build_id"],
                          "core_api": info["core_api"], "backend_api": info["backend_api"],
-                         "soc_model": info["soc_model"], "io": part_spec.to_dict(), "binary_io": info["graphs"][0]})
+                         "soc_model": info["soc_model"], "context_blob_bytes": info["context_blob_bytes"],
+                         "io": part_spec.to_dict(), "binary_io": info["graphs"][0]})
         graphs[role] = {"spec": name, "reference": f"reference/{name}" if config.reference_graphs else None,
                         "weight_bytes": weights, "shared_context": role in shared, "parts": rows}
         if role in shared:
@@ -180,7 +181,13 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     `allow_parity_failure`: then the summary carries `proof_failed` and the manifest is marked.
     `final`: where `out` will be once the stage is done (it is built in a temp folder), the
     folder the reports name. Returns a short summary for the manifest."""
-    from hyco.export.bundle import BUNDLE_JSON, BUNDLE_VERSION, file_table
+    from hyco.export.bundle import (
+        BUNDLE_JSON,
+        BUNDLE_VERSION,
+        device_footprint,
+        file_table,
+        footprint_markdown,
+    )
     from hyco.export.qnn import settle_soc, soc_info
 
     start = time.perf_counter()
@@ -213,6 +220,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
             "graphs": graphs, "files": file_table(bundle)}
+    meta["footprint"] = device_footprint(graphs, meta["files"])
     write_json(bundle / BUNDLE_JSON, meta)
     declare_binaries(graphs, meta["qnn_sdk"])
     smoke = None
@@ -230,10 +238,11 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
                           for g, v in smoke["by_graph"].items())
         failed = f"{smoke['headline']} ({worst})"
     rows = [{"graph": role, "part": p["binary"], "weight_bytes": p["weight_bytes"], "binary_bytes": p["binary_bytes"],
-             "compile_s": p["compile_s"], "nodes": p["nodes"]} for role, g in graphs.items() for p in g["parts"]]
+             "context_blob_bytes": p["context_blob_bytes"], "compile_s": p["compile_s"], "nodes": p["nodes"]}
+            for role, g in graphs.items() for p in g["parts"]]
     report = {"soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "qnn_sdk": meta["qnn_sdk"],
               "htp_optimization_level": config.htp_optimization_level,
-              "graphs": rows, "smoke": smoke, "proof_failed": failed, "phases": phase.rows,
+              "graphs": rows, "footprint": meta["footprint"], "smoke": smoke, "proof_failed": failed, "phases": phase.rows,
               "wall_s": round(time.perf_counter() - start, 2),
               "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": versions}
     write_json(out / "report.json", report)
@@ -241,7 +250,8 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     md = (f"# export: QNN context binaries for soc_model {config.soc_model} ({chip}, Hexagon v{arch})\n\n"
           f"QNN SDK {meta['qnn_sdk']}; HTP optimization level {level}; "
           f"bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
-          f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0])))
+          f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0]))
+          + "\n\n## On the phone, against the paper's Table 3\n\n" + footprint_markdown(meta["footprint"]))
     if failed:
         md += f"\n**Proof failed, bundle kept (allow_parity_failure)**: {failed}\n"
     if smoke is not None:

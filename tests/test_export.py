@@ -146,6 +146,16 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
                     assert got[name][2][1] == q[1] and got[name][2][0] == pytest.approx(q[0], rel=1e-6), (role, name)
         assert g["weight_bytes"] > 0 and part["binary_bytes"] == (bundle / part["binary"]).stat().st_size
     verify_bundle(bundle)  # every sha256 and every binary's I/O check out
+    footprint = meta["footprint"]  # read from the binaries: each context's resident bytes, independently here
+    blobs = {p["binary"]: binary_info(bundle / p["binary"])["context_blob_bytes"]
+             for g in meta["graphs"].values() for p in g["parts"]}
+    assert footprint["resident_per_context"] == blobs and footprint["npu_resident_total"] == sum(blobs.values())
+    assert all(0 < b < (bundle / name).stat().st_size for name, b in blobs.items())
+    table3 = {r["item"]: r for r in footprint["table3"]}
+    assert table3["SLM NPU graph"]["paper_bytes"] == 754_000_000
+    assert table3["SLM NPU graph"]["bundle_bytes"] == blobs["tree_ctx_qnn.bin"] + blobs["prefill_ctx_qnn.bin"]
+    assert table3["MTP Drafter (graph + LUT)"]["bundle_bytes"] == (blobs["mtp_step_ctx_qnn.bin"]
+                                                                  + meta["files"]["embed_lut.safetensors"]["bytes"])
 
 
 @pytest.mark.parametrize("chip, number", [("SM8850", 87), ("SC8480XP", 88), ("SM8750", 69)])
@@ -288,9 +298,10 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
 
     calls = []
 
-    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out, named_as):
+    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out, named_as, soc_model):
         calls.append({"bundle_json": (bundle / "bundle.json").is_file(), "verifier": verifier, "prompts": prompts,
-                      "rounds": rounds, "tolerance": tolerance, "isolate": isolate, "out": out.name})
+                      "rounds": rounds, "tolerance": tolerance, "isolate": isolate, "out": out.name,
+                      "soc_model": soc_model})
         out.mkdir(parents=True)
         (out / "report.json").write_text("{}")
         (out / "summary.md").write_text("smoke\n")
@@ -306,7 +317,7 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
     assert len(err) == 1 and "proof failed: export: smoke FAILED: 1 prompts x 2 rounds (tree max |dlogprob| 0.4 " \
         "(bound 0.1), 3 id mismatches)" in err[0], err
     assert calls == [{"bundle_json": True, "verifier": Path(tiny_family["verifier"]), "prompts": 1, "rounds": 2,
-                      "tolerance": ExportConfig().logprob_tolerance, "isolate": True, "out": "smoke"}]
+                      "tolerance": ExportConfig().logprob_tolerance, "isolate": True, "out": "smoke", "soc_model": 87}]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no OUT, no temp folder
 
     assert main([*args, "--out", str(tmp_path / "kept"), "--allow-parity-failure"]) == 0
@@ -337,6 +348,12 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert tree["shared_context"] and not tree["verified"] and "UNVERIFIED" in tree["note"]
     assert len(tree["parts"][0]["qnn_graphs"]) == 2 and not meta["graphs"]["mtp_step"]["shared_context"]
     shared_bytes = tree["parts"][0]["binary_bytes"]
+    # one copy of the SLM's weights on the device: the shared context counts once (fails if duplicated)
+    footprint, shared_bin = meta["footprint"], tree["parts"][0]["binary"]
+    slm = next(r for r in footprint["table3"] if r["item"] == "SLM NPU graph")
+    assert slm["bundle_bytes"] == footprint["resident_per_context"][shared_bin]
+    assert footprint["npu_resident_total"] == sum(footprint["resident_per_context"].values())
+    assert len(footprint["resident_per_context"]) == 2
     assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
     done = _smoke_cli(out / "bundle", tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cannot load a shared" in done.stderr
