@@ -197,6 +197,20 @@ def test_a_bundle_for_another_soc_is_refused_with_one_line(tiny_export, tiny_fam
     assert not (tmp_path / "smoke").exists() and not (tmp_path / "smoke2").exists()
 
 
+def test_the_check_on_the_htp_refuses_a_bundle_for_another_soc(ladder, tmp_path, capsys):
+    from ladder import LADDER, RECIPE, set_args
+
+    from hyco.cli import main
+
+    overrides = [*LADDER, "check.backend=qnn", "export.soc_model=69"]  # the ladder's bundle is for 87
+    args = ["check", "--recipe", str(RECIPE), "--run-dir", str(ladder), "--out", str(tmp_path / "check"),
+            *set_args(overrides)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "built for soc_model 87 (SM8850), but this run targets soc_model 69 (SM8750)" in err[0], err
+    assert not (tmp_path / "check").exists()
+
+
 def _tampered(bundle: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)
