@@ -211,15 +211,15 @@ def file_size(path: Path) -> int | None:
 
 
 def int2_note(encodings: Path, paper: float) -> str | None:
-    """The SLM graph's integer weights with its 2-bit weights counted at 2 bits: the graphs carry
-    them in INT4 containers (the HTP computes wrong numbers on ONNX INT2), twice their size."""
-    if not encodings.is_file():
+    """The SLM graph's integer weights with its 2-bit weights counted at 2 bits (`two_bit_cost`)."""
+    from hyco.export.bundle import two_bit_cost
+
+    cost = two_bit_cost(encodings)
+    if cost is None:
         return None
-    weights = json.loads(encodings.read_text())["weights"].values()
-    at_bits = sum(w["shape"][0] * w["shape"][1] * w["bits"] // 8 for w in weights)
-    int2 = sum(w["shape"][0] * w["shape"][1] // 4 for w in weights if w["bits"] == 2)
-    return (f"2-bit weights ({int2 / 1e6:,.1f} MB at 2 bits) travel in INT4 containers; at their own width the "
-            f"integer weights are {at_bits / 1e6:,.1f} MB ({100 * (at_bits / paper - 1):+.1f}% vs paper)")
+    at_bits = cost["integer_weight_bytes_at_own_width"]
+    return (f"2-bit weights ({cost['bytes_at_2_bits'] / 1e6:,.1f} MB at 2 bits) travel in INT4 containers; at their own "
+            f"width the integer weights are {at_bits / 1e6:,.1f} MB ({100 * (at_bits / paper - 1):+.1f}% vs paper)")
 
 
 def sizes(run_dir: Path) -> dict:

@@ -31,7 +31,7 @@ TABLE3 = {"slm": ("SLM NPU graph", 754e6), "mtp_graph": ("MTP graph at W4", 123e
 MTP_LUT = "embed_lut.safetensors"
 
 
-def device_footprint(graphs: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: Path | None = None) -> dict[str, Any]:
     """What the phone holds, read from the binaries: each context's resident bytes (libQnnSystem's
     contextBlobSize: the weights and the compiled graph HTP loads), per graph and in total with a
     context two graphs share counted once; the CPU's LUT files; and the comparison with Table 3.
@@ -51,10 +51,28 @@ def device_footprint(graphs: dict[str, Any], files: dict[str, Any]) -> dict[str,
                "vs_paper": None if ours[key] is None else round(ours[key] / paper - 1, 4)}
               for key, (label, paper) in TABLE3.items()]
     return {"resident_per_graph": per_graph, "resident_per_context": contexts,
+            "two_bit_weights": two_bit_cost(encodings) if encodings is not None else None,
             "npu_resident_total": sum(contexts.values()), "cpu_luts": luts, "cpu_lut_total": sum(luts.values()),
             "table3": table3,
             "how": "NPU: each context binary's contextBlobSize read through libQnnSystem (a context two graphs share "
                    "counts once in the totals); CPU: the LUT files' bytes. Table 3's SLM row is tree + prefill."}
+
+
+def two_bit_cost(encodings: Path) -> dict[str, Any] | None:
+    """What the SLM's 2-bit weights cost in the INT4 containers they travel in (convert's
+    encodings.json lists every integer weight with its bits): the HTP computes wrong numbers on
+    ONNX INT2 weights (tests/test_htp_int2.py measures it), so they are stored in INT4 with the
+    same scales, bit-exact, at twice their size."""
+    if not Path(encodings).is_file():
+        return None
+    weights = read_json(Path(encodings), "encodings.json")["weights"].values()
+    two = sum(w["shape"][0] * w["shape"][1] for w in weights if w["bits"] == 2)
+    return {"weights_at_2_bits": sum(1 for w in weights if w["bits"] == 2), "bytes_at_2_bits": two // 4,
+            "bytes_in_int4_containers": two // 2, "extra_bytes": two // 2 - two // 4,
+            "integer_weight_bytes_at_own_width": sum(w["shape"][0] * w["shape"][1] * w["bits"] // 8 for w in weights),
+            "why": "the HTP (onnxruntime-qnn's QDQ import, soc 87) accepts ONNX INT2 weights but computes wrong "
+                   "numbers with them (tests/test_htp_int2.py); QNN's own 2-bit types (SFIXED_POINT_2, a mapped "
+                   "2-bit encoding) are named in libQnnHtp.so, but no route to them from an ONNX graph was found"}
 
 
 def footprint_markdown(footprint: dict[str, Any]) -> str:
@@ -63,8 +81,11 @@ def footprint_markdown(footprint: dict[str, Any]) -> str:
     rows += [f"| {r['item']} | {mb(r['paper_bytes'])} | {mb(r['bundle_bytes'])} | "
              + ("-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%") + " |" for r in footprint["table3"]]
     per_graph = ", ".join(f"{g} {mb(b)}" for g, b in footprint["resident_per_graph"].items())
+    two = footprint.get("two_bit_weights")
+    extra = (f" The SLM's 2-bit weights travel in INT4 containers: {mb(two['bytes_in_int4_containers'])} where 2 bits "
+             f"would take {mb(two['bytes_at_2_bits'])} (+{mb(two['extra_bytes'])} per context holding them).") if two else ""
     return ("\n".join(rows) + f"\n\nNPU resident per graph: {per_graph}; in total {mb(footprint['npu_resident_total'])} "
-            f"(a shared context once). CPU LUTs {mb(footprint['cpu_lut_total'])}. {footprint['how']}\n")
+            f"(a shared context once). CPU LUTs {mb(footprint['cpu_lut_total'])}. {footprint['how']}{extra}\n")
 
 
 def weight_bytes(graph: Path) -> int:

@@ -220,7 +220,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
             "graphs": graphs, "files": file_table(bundle)}
-    meta["footprint"] = device_footprint(graphs, meta["files"])
+    meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json")
     write_json(bundle / BUNDLE_JSON, meta)
     declare_binaries(graphs, meta["qnn_sdk"])
     smoke = None

@@ -154,6 +154,9 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
     table3 = {r["item"]: r for r in footprint["table3"]}
     assert table3["SLM NPU graph"]["paper_bytes"] == 754_000_000
     assert table3["SLM NPU graph"]["bundle_bytes"] == blobs["tree_ctx_qnn.bin"] + blobs["prefill_ctx_qnn.bin"]
+    two = footprint["two_bit_weights"]  # the published map's 2-bit weights, and what their INT4 containers cost
+    assert two["weights_at_2_bits"] > 0 and two["bytes_in_int4_containers"] == 2 * two["bytes_at_2_bits"] > 0
+    assert "test_htp_int2.py" in two["why"]
     assert table3["MTP Drafter (graph + LUT)"]["bundle_bytes"] == (blobs["mtp_step_ctx_qnn.bin"]
                                                                   + meta["files"]["embed_lut.safetensors"]["bytes"])
 
