@@ -43,6 +43,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--smoke-rounds", type=int, default=_DEFAULT.smoke_rounds, help="smoke run rounds per prompt")
     p.add_argument("--allow-parity-failure", action="store_true",
                    help="keep the bundle although its smoke run disagreed (manifest marked, warning)")
+    p.add_argument("--share-contexts", action="store_true", default=_DEFAULT.share_contexts,
+                   help="tree and prefill in one context binary with one copy of their weights (with --hub: the "
+                   "hub's link job; offline: unverified, the x86 simulator cannot load it)")
     p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token)")
     p.add_argument("--device", default=_DEFAULT.device, help="qai-hub device name")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
@@ -79,7 +82,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         config = dataclasses.replace(_DEFAULT, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
                                      max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts,
-                                     smoke_rounds=args.smoke_rounds, htp_optimization_level=args.htp_optimization_level)
+                                     smoke_rounds=args.smoke_rounds, htp_optimization_level=args.htp_optimization_level,
+                                     share_contexts=args.share_contexts)
     except ValueError as e:
         raise HycoError(str(e)) from None
     bundle_only = [f"--{k}" for k in ("convert", "qat", "vocab", "tokenizer", "verifier") if getattr(args, k)]

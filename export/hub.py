@@ -6,6 +6,12 @@ Needs a token: `QAI_HUB_API_TOKEN`, or the client's own config file (~/.qai_hub/
 `QAIHUB_CLIENT_INI`, which also names the API URL); without one the command says so in one line
 and exits 2. The hub device must be the recipe's SoC (`soc-model:` and `hexagon:` attributes), so
 the phone's binaries match the bundle's. OUT is written atomically: a failed job leaves nothing.
+
+With `export.share_contexts` (`--share-contexts`), tree and prefill carry the same weights, so they
+are compiled to QNN DLCs and joined by the hub's link job into one context binary (slm.bin) with one
+copy of the weights, as qai_hub_models links an LLM's prompt and token graphs; each graph is then
+profiled from that binary (`--qnn_options context_enable_graphs=ROLE`). The device must advertise
+`htp-supports-weight-sharing:true`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from hyco.io_spec import read_io_spec
 from hyco.recipe import ExportConfig
 
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
+DLC_OPTIONS = "--target_runtime qnn_dlc --compute_unit npu"  # a link job's inputs
+LINKED = ("tree", "prefill")  # the SLM graphs that share one context under export.share_contexts
+WEIGHT_SHARING = "htp-supports-weight-sharing:true"
 NO_TOKEN = ("export --hub needs a qai-hub API token: set QAI_HUB_API_TOKEN or run `qai-hub configure --api_token "
             "TOKEN` (nothing was submitted)")
 
@@ -60,8 +69,11 @@ def compile_requests(calibrate: Path, config: ExportConfig) -> list[dict[str, An
     for role, name in GRAPHS.items():
         if name not in specs or not (Path(calibrate) / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
+        linked = config.share_contexts and role in LINKED
+        # a linked graph's name in the shared context is its role, what the profile jobs select
+        options = f"{DLC_OPTIONS} --qnn_options context_enable_graphs={role}" if linked else OPTIONS
         requests.append({"role": role, "model": Path(calibrate) / name, "device": hub.Device(config.device),
-                         "name": f"hyco-{role}", "options": OPTIONS,
+                         "name": f"hyco-{role}", "options": options, "linked": linked,
                          "input_specs": {t.name: (tuple(t.shape), t.dtype) for t in specs[name].inputs}})
     return requests
 
@@ -78,6 +90,9 @@ def check_device(client, config: ExportConfig) -> list[str]:
         found = [a for a in attributes if a.startswith(("soc-model:", "hexagon:"))]
         raise HycoError(f"qai-hub device {config.device!r} is {found}, not soc_model {config.soc_model} ({chip}, "
                         f"v{arch}): set export.soc_model to the device's, or pick a {chip} device")
+    if config.share_contexts and WEIGHT_SHARING not in attributes:
+        raise HycoError(f"qai-hub device {config.device!r} does not advertise {WEIGHT_SHARING}: export.share_contexts "
+                        "needs it (set share_contexts false, or pick a device that shares weights)")
     return attributes
 
 
@@ -110,24 +125,58 @@ def _temp_files_in(folder: Path) -> Iterator[None]:
         tempfile.tempdir = before
 
 
-def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
-    jobs = []
+def _compile(client, r: dict[str, Any], tmp: Path):
+    # qai-hub takes an ONNX model with external weights as a folder of the graph and its .data
+    upload = tmp / "upload" / r["role"] / r["model"].name
+    _copy_graph(r["model"], upload)
+    with _temp_files_in(tmp / "upload"):  # removed once the jobs are done
+        job = client.submit_compile_job(model=upload, device=r["device"], name=r["name"],
+                                        input_specs=r["input_specs"], options=r["options"])
+    _finished(job, "compile", r["model"])
+    return job
+
+
+def _profile(client, target, r: dict[str, Any], options: str = ""):
+    job = client.submit_inference_job(model=target, device=r["device"], name=r["name"], profile=True,
+                                      options=options)
+    _finished(job, "profile", r["model"])
+    return job
+
+
+def _download(model, path: Path) -> Path:
+    return Path(model.download(str(path)))
+
+
+def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> tuple[list[dict[str, Any]], dict | None]:
+    """Compile, download and profile each graph; the linked ones (export.share_contexts) through
+    one link job. Returns the graphs' rows and the shared context's (None without one)."""
+    jobs, compiled = [], {}
     for r in requests:
-        # qai-hub takes an ONNX model with external weights as a folder of the graph and its .data
-        upload = tmp / "upload" / r["role"] / r["model"].name
-        _copy_graph(r["model"], upload)
-        with _temp_files_in(tmp / "upload"):  # removed once the jobs are done
-            compile_job = client.submit_compile_job(model=upload, device=r["device"], name=r["name"],
-                                                    input_specs=r["input_specs"], options=r["options"])
-        _finished(compile_job, "compile", r["model"])
+        compile_job = _compile(client, r, tmp)
+        if r["linked"]:
+            compiled[r["role"]] = compile_job
+            continue
         target = compile_job.get_target_model()
-        binary = Path(target.download(str(tmp / f"{r['role']}.bin")))
-        profile_job = client.submit_inference_job(model=target, device=r["device"],
-                                                  name=r["name"], profile=True)
-        _finished(profile_job, "profile", r["model"])
+        binary = _download(target, tmp / f"{r['role']}.bin")
+        profile_job = _profile(client, target, r)
         jobs.append({**collect(r["role"], compile_job, profile_job, profile_job.download_profile()),
                      "binary": binary.name, "binary_bytes": binary.stat().st_size})
-    return jobs
+    if not compiled:
+        return jobs, None
+    linked = [r for r in requests if r["linked"]]
+    link_job = client.submit_link_job(models=[compiled[r["role"]].get_target_model() for r in linked],
+                                      device=linked[0]["device"], name="hyco-slm")
+    _finished(link_job, "link", linked[0]["model"])
+    target = link_job.get_target_model()
+    binary = _download(target, tmp / "slm.bin")
+    for r in linked:
+        profile_job = _profile(client, target, r, f"--qnn_options context_enable_graphs={r['role']}")
+        jobs.append({**collect(r["role"], compiled[r["role"]], profile_job, profile_job.download_profile()),
+                     "link_job": link_job.url, "binary": binary.name, "binary_bytes": binary.stat().st_size})
+    order = [r["role"] for r in requests]
+    shared = {"binary": binary.name, "binary_bytes": binary.stat().st_size, "graphs": [r["role"] for r in linked],
+              "link_job": link_job.url, "compile_options": {r["role"]: r["options"] for r in linked}}
+    return sorted(jobs, key=lambda j: order.index(j["role"])), shared
 
 
 def hub_export(*, calibrate: Path, out: Path, config: ExportConfig) -> dict[str, Any]:
@@ -145,15 +194,18 @@ def hub_export(*, calibrate: Path, out: Path, config: ExportConfig) -> dict[str,
     with atomic_dir(out) as tmp:
         try:
             attributes = check_device(client, config)
-            jobs = _run_jobs(client, requests, tmp)
+            jobs, shared = _run_jobs(client, requests, tmp)
         except (hub.Error, APIException) as e:  # the client's own errors span lines; the CLI prints one
             raise HycoError(f"qai-hub: {' '.join(str(e).split())}") from None
         shutil.rmtree(tmp / "upload")
-        result = {"device": config.device, "device_attributes": attributes, "options": OPTIONS, "jobs": jobs,
+        result = {"device": config.device, "device_attributes": attributes,
+                  "options": OPTIONS, "jobs": jobs, "shared_context": shared,
                   "note": "profile figures are the phone's own (qai-hub), unlike the simulator times of `smoke`"}
         write_json(tmp / "hub.json", result)
-        (tmp / "hub.md").write_text(f"# qai-hub compile + profile on {config.device}\n\n{result['note']}.\n\n"
+        linked = (f"{' and '.join(shared['graphs'])} share one context binary, {shared['binary']} "
+                  f"({shared['binary_bytes']:,} bytes, link job {shared['link_job']}).\n\n") if shared else ""
+        (tmp / "hub.md").write_text(f"# qai-hub compile + profile on {config.device}\n\n{result['note']}.\n\n{linked}"
                                    + markdown_table(jobs, ["role", "estimated_inference_time_us", "peak_memory_bytes",
-                                                           "compute_units", "binary_bytes", "compile_job",
+                                                           "compute_units", "binary", "binary_bytes", "compile_job",
                                                            "profile_job"]))
     return result

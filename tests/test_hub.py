@@ -185,6 +185,59 @@ def test_hub_export_compiles_profiles_and_reports_through_the_real_client(tmp_pa
     assert list(system_tmp.iterdir()) == []  # no temp folder or file left, ours or qai-hub's
 
 
+def test_shared_contexts_link_tree_and_prefill_into_one_binary_and_profile_each_graph(tmp_path, replay, capsys,
+                                                                                       monkeypatch):
+    """export.share_contexts: tree and prefill compile to DLCs named by role, one link job joins them
+    into one context binary (one copy of their weights, on the hub's side), and each graph is
+    profiled from it by name; mtp_step compiles alone as before."""
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    session = replay("link_profile.yaml")
+    make_calibrate(tmp_path / "calibrate", "link_profile.yaml")
+    assert _export_hub(tmp_path, "--share-contexts") == 0
+    session.assert_done()
+    assert "3 qai-hub jobs" in capsys.readouterr().out
+    out = tmp_path / "hub"
+    report = json.loads((out / "hub.json").read_text())
+    jobs = {j["role"]: j for j in report["jobs"]}
+    assert list(jobs) == ["tree", "prefill", "mtp_step"]
+    shared = report["shared_context"]
+    assert shared["graphs"] == ["tree", "prefill"] and shared["binary"] == "slm.bin"
+    assert shared["link_job"] == "https://workbench.replay.invalid/jobs/jl-slm/"
+    assert shared["binary_bytes"] == (out / "slm.bin").stat().st_size
+    assert all("--target_runtime qnn_dlc" in o for o in shared["compile_options"].values())
+    for role in ("tree", "prefill"):
+        assert jobs[role]["binary"] == "slm.bin" and jobs[role]["link_job"] == shared["link_job"]
+        assert jobs[role]["profile_job"] == f"https://workbench.replay.invalid/jobs/jp-{role}/"
+    assert [jobs[r]["estimated_inference_time_us"] for r in jobs] == [4210, 3890, 730]
+    assert jobs["mtp_step"]["binary"] == "mtp_step.bin" and "link_job" not in jobs["mtp_step"]
+    assert sorted(p.name for p in out.iterdir()) == ["hub.json", "hub.md", "mtp_step.bin", "slm.bin"]
+    assert "tree and prefill share one context binary, slm.bin" in (out / "hub.md").read_text()
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_a_failed_link_job_is_one_line_exit_2_and_nothing_is_written(tmp_path, replay, capsys):
+    session = replay("link_failed.yaml")
+    make_calibrate(tmp_path / "calibrate", "link_failed.yaml")
+    assert _export_hub(tmp_path, "--share-contexts") == 2
+    session.assert_done()  # no download of a linked binary: it is not in the recording
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "qai-hub link job https://workbench.replay.invalid/jobs/jl-slm/ ended FAILED" in err[0]
+    assert "cannot share" in err[0] and not (tmp_path / "hub").exists()
+
+
+def test_shared_contexts_need_a_device_that_shares_weights(tmp_path, replay, capsys):
+    session = replay("no_weight_sharing.yaml")
+    make_calibrate(tmp_path / "calibrate", "compile_profile.yaml")
+    assert _export_hub(tmp_path, "--share-contexts") == 2
+    session.assert_done()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not advertise htp-supports-weight-sharing:true" in err[0]
+    assert not (tmp_path / "hub").exists()
+
+
 def test_failed_compile_job_is_one_line_exit_2_and_nothing_is_written(tmp_path, replay, capsys):
     session = replay("compile_failed.yaml")
     make_calibrate(tmp_path / "calibrate", "compile_failed.yaml")
