@@ -7,6 +7,7 @@ HTP acceptance and the bad inputs are tested on their own.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -23,6 +24,7 @@ from hyco.calibrate.quantize import weights_bitexact
 from hyco.convert.export_onnx import ort_session
 
 from hyco.artifacts import Phases
+from hyco.errors import HycoError
 from hyco.grids import grid_range
 from hyco.io_spec import read_io_spec
 
@@ -718,7 +720,7 @@ def _augmented(model: onnx.ModelProto, folder: Path) -> Path:
 
 
 def _taps_as_constants_agree(path: Path, feeds: list[dict]) -> int:
-    from hyco.calibrate.quantize import constant_weight_taps
+    from hyco.calibrate.ort_patches import constant_weight_taps
     from hyco.convert.export_onnx import session_for
 
     model = onnx.load(str(path), load_external_data=False)
@@ -852,7 +854,7 @@ def test_linear_augment_builds_onnxruntimes_calibration_graph(tiny_calibrated, t
     per E2B graph); `augment_graph_linear` must build the very same graph: every node, in the same
     order, every output, on the tiny tree graph as calibrate prepares it (taps in front of each
     tensor's first reader) and on a graph with a tapped tensor no node reads (taps at the end)."""
-    from hyco.calibrate.quantize import augment_graph_linear
+    from hyco.calibrate.ort_patches import augment_graph_linear
     from onnx import TensorProto, helper
     from onnxruntime.quantization.calibrate import MinMaxCalibrater
 
@@ -946,7 +948,7 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
 @pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_lean_quantizer_writes_the_graph_onnxruntimes_own_quantize_writes(tiny_calibrated, tmp_path):
     """Issue 13: `quantize_graph` runs onnxruntime's calibrator and quantizer with their costly
-    parts replaced (`_lean_quantizer`: weightless calibrator model, linear augmentation, constant
+    parts replaced (`ort_patches.lean_quantizer`: weightless calibrator model, linear augmentation, constant
     weight taps, priority order, no arena, indexed reader renames and initializer lookups). The
     QDQ graph it writes equals the one onnxruntime's unpatched code writes from the same feeds:
     every node and every initializer, bit for bit (tiny tree graph as calibrate prepares it,
@@ -1016,3 +1018,28 @@ def test_weights_bitexact_catches_one_changed_nibble_or_scale_bit(n, k):
         nudged = scale.copy()
         nudged.view(np.uint32)[0] ^= 1
         assert not weights_bitexact(source, model(ints, nudged, transposed))["all_equal"]
+
+
+def test_the_quantizer_patches_refuse_an_onnxruntime_they_were_not_proven_on(tmp_path, monkeypatch):
+    """The patches replace private onnxruntime functions: on a release outside PROVEN (pyproject's
+    pin) or with one of the patched names gone, `lean_quantizer` refuses in one line naming the
+    version or the function, and leaves onnxruntime unpatched."""
+    import onnxruntime
+    import onnxruntime.quantization.calibrate as ort_calibrate
+    import onnxruntime.quantization.onnx_model as onnx_model
+    from hyco.calibrate.ort_patches import PROVEN, lean_quantizer, require_proven_onnxruntime
+
+    require_proven_onnxruntime()  # the installed release is inside the range
+    require_proven_onnxruntime(".".join(map(str, PROVEN[0])) + ".9")
+    for outside in ("1.22.0", ".".join(map(str, PROVEN[1])) + ".0", "2.0.0"):
+        with pytest.raises(HycoError, match=rf"onnxruntime {outside}: .* proven on onnxruntime >=1\.32,<1\.33"):
+            require_proven_onnxruntime(outside)
+    augment = inspect.getattr_static(ort_calibrate.MinMaxCalibrater, "augment_graph")
+    monkeypatch.setattr(onnxruntime, "__version__", "1.40.1")
+    with pytest.raises(HycoError, match="onnxruntime 1.40.1"), lean_quantizer(tmp_path):
+        pass
+    monkeypatch.undo()
+    monkeypatch.delattr(onnx_model.ONNXModel, "get_initializer")
+    with pytest.raises(HycoError, match=r"no ONNXModel\.get_initializer"), lean_quantizer(tmp_path):
+        pass
+    assert inspect.getattr_static(ort_calibrate.MinMaxCalibrater, "augment_graph") is augment

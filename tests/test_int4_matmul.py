@@ -205,7 +205,7 @@ def test_int4_extremes_from_packed_bytes_equal_the_unpacked_ones(shape, axis):
     """calibrate's constant weight taps read per-channel integer extremes byte by byte (nibble
     tables); they equal numpy's min/max over the unpacked integers, also for a peaky weight whose
     extremes sit in a single nibble."""
-    from hyco.calibrate.quantize import int_extremes
+    from hyco.calibrate.ort_patches import int_extremes
     from hyco.convert.export_onnx import pack_int4
 
     rng = np.random.default_rng(shape[0] + 7 * shape[1])
