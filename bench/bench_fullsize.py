@@ -201,7 +201,7 @@ def recipe_overrides(family: Path, run_dir: Path, stages: tuple[str, ...], vocab
 def graph_weight_bytes(graph: Path) -> int | None:
     if not graph.is_file():
         return None
-    from hyco.export.bundle import weight_bytes
+    from hyco.bundle import weight_bytes
 
     return weight_bytes(graph)
 
@@ -212,7 +212,7 @@ def file_size(path: Path) -> int | None:
 
 def int2_note(encodings: Path, paper: float) -> str | None:
     """The SLM graph's integer weights with its 2-bit weights counted at 2 bits (`two_bit_cost`)."""
-    from hyco.export.bundle import two_bit_cost
+    from hyco.bundle import two_bit_cost
 
     cost = two_bit_cost(encodings)
     if cost is None:
@@ -327,7 +327,7 @@ def summary_md(report: dict) -> str:
                markdown_table([{**r, "weight_bytes": mb(r["weight_bytes"]), "binary_bytes": mb(r["binary_bytes"])}
                                for r in s["weight_bytes_per_pass"]], list(s["weight_bytes_per_pass"][0]))]
     if s.get("device_footprint"):
-        from hyco.export.bundle import footprint_markdown
+        from hyco.bundle import footprint_markdown
 
         md += ["", "## The device footprint (bundle.json, read from the binaries)", "",
                footprint_markdown(s["device_footprint"])]
@@ -354,7 +354,7 @@ def print_table(report: dict) -> None:
     for r in report["sizes"]["weight_bytes_per_pass"]:
         print(f"  {r['graph']:<8} weights/pass {mb(r['weight_bytes']):>10} -> floor {r['floor_ms_at_60GBps']} ms at 60 GB/s")
     if report["sizes"].get("device_footprint"):
-        from hyco.export.bundle import footprint_markdown
+        from hyco.bundle import footprint_markdown
 
         print("\nDevice footprint (bundle.json, read from the binaries):\n" + footprint_markdown(report["sizes"]["device_footprint"]))
     for g in report["goals"]:

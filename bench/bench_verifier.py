@@ -10,7 +10,7 @@ For each depth it writes the stand-in (random BF16 weights, hyco/fixtures/fullsi
 second layer full, so each depth has both kinds) and runs each phase in a fresh interpreter, its
 peak RSS the child's `ru_maxrss` (os.wait4): `load` (the checkpoint into memory), `answers`
 (greedy answers to the prompts, `hyco.answers.generate_answers`), `capture` (qat's capture over
-prompt + answer, `hyco.qat.capture.capture_answers`). The load is inside every phase's figure and
+prompt + answer, `hyco.captures.capture_answers`). The load is inside every phase's figure and
 also reported alone.
 
 The whole model is 30 layers (25 sliding, 5 full). Each figure is fitted as a + b x layers over
@@ -70,9 +70,9 @@ def prompt_records() -> list[dict]:
 def run_phase(phase: str, verifier: Path, work: Path, prompts: int, new_tokens: int) -> dict:
     """One phase in this (child) process; its own figures, printed as JSON by the caller."""
     import torch
-    from hyco.qat.capture import capture_answers
 
     from hyco.answers import generate_answers
+    from hyco.captures import capture_answers
     from hyco.loading import load_tokenizer, load_verifier
     from hyco.recipe import PlacementConfig
 

@@ -1,6 +1,6 @@
 """Drive the graphs as the phone does, recording every pass's feeds and outputs.
 
-SLM graphs: `hyco.runtime_check.slm_onnx.SlmOnnx` is the runtime's own driver (host LUTs,
+SLM graphs: `hyco.runtime.slm_onnx.SlmOnnx` is the runtime's own driver (host LUTs,
 rotary tables, KV rings, masks, prefill chunks, committed backlog in front of the tree). Here
 its onnxruntime sessions are swapped for `Recorder`s, and a decode loop walks the verifier's
 answer: each round the root is the next answer token, a planning pass over root + the
@@ -15,7 +15,7 @@ row while each keeps its own KV ring.
 
 MTP step graph: from qat/'s teacher-forced captures (the verifier's h_t, e(x_{t+1}) and K/V),
 `mtp_bursts` runs K steps per drafting position on the graph's own next_hidden and the
-embed_lut row of its own top-1, as `runtime_check.mtp_onnx.MtpChainOnnx.propose` does.
+embed_lut row of its own top-1, as `hyco.runtime.mtp_onnx.MtpChainOnnx.propose` does.
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import numpy as np
 
 
 def cpu_session(path: Path, providers=("CPUExecutionProvider",)):
-    """onnxruntime CPU session as `convert.export_onnx.ort_session` (optimisations off, INT4
-    weights multiplied packed, the others dequantized just before their MatMul), without the CPU memory arena: with it, a session
-    keeps the high-water mark of every pass and grows further pass after pass (convert's 4-layer
-    E2B-wide tree.onnx, 176 MB of weights: 2.8 GB after two passes, 0.25 GB without the arena);
-    the outputs are the same (allocation only)."""
-    from hyco.convert.export_onnx import ort_session  # lazily, like the rest: it imports torch
+    """`hyco.ort.ort_session` without the CPU memory arena: with it, a session keeps the
+    high-water mark of every pass and grows further pass after pass; the outputs are the same
+    (allocation only)."""
+    from hyco.ort import ort_session
 
     return ort_session(path, arena=False, providers=providers)
 
@@ -105,7 +103,8 @@ def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None =
     default: convert's float graphs) wrapped in Recorders (keeping the outputs named
     `output_prefixes*`, default all; on disk under `spill`/<graph> when given)."""
     import torch
-    from hyco.runtime_check.slm_onnx import SlmOnnx
+
+    from hyco.runtime.slm_onnx import SlmOnnx
 
     # Given sessions, SlmOnnx opens none of its own: it used to open (and drop) both of convert's
     # graphs with the arena on, ~20 s and a 2.4 GB transient per fidelity driver at E2B size.
@@ -136,7 +135,7 @@ def lockstep(slms: list, prompt: list[int], answer: list[int], *, chain_depth: i
     appends each round's (plan, tree, committed) to; `replay`: such a list, whose rounds the
     drivers walk instead of building them (the first driver's proposals no longer matter), so
     drivers walk the same trees one after another, each with only its own sessions open."""
-    from hyco.runtime_check.tree import CHAIN, SLM, DraftTree
+    from hyco.runtime.tree import CHAIN, SLM, DraftTree
 
     for slm in slms:
         slm.start(list(prompt))
@@ -189,9 +188,8 @@ def mtp_bursts(session, spec, lut, captures, *, steps: int, positions_per_captur
                rng: np.random.Generator, mask_negative: float | None = None) -> list[list[tuple[dict, dict]]]:
     """Bursts of `steps` MTP steps at drafting positions sampled from each capture. Returns per
     burst the (feeds, outputs) of each step."""
-    from hyco.qat.step_graph import rope_rows, step_feeds
-
     from hyco.handoff import StepInput
+    from hyco.runtime.mtp import rope_rows, step_feeds
 
     negative = spec.meta["mask_negative"] if mask_negative is None else mask_negative
     names = [t.name for t in spec.outputs]

@@ -153,7 +153,8 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     differences grow through the layers (a peaky checkpoint's SRQ codes flip), small where they
     do not."""
     import onnx
-    from hyco.convert.export_onnx import session_for
+
+    from hyco.ort import session_for
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # (session_for rewrites the model it is given)

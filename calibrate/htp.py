@@ -37,7 +37,8 @@ def htp_session(path: Path, soc_model: str = SOC_MODEL):
     """The graph on the QNN HTP with CPU fallback disabled and the assignment recorded: export's
     one session builder (plugin-EP registration, SoC table), so both stages open graphs alike."""
     import onnxruntime as ort
-    from hyco.export.qnn import session_options
+
+    from hyco.qnn import session_options
 
     return ort.InferenceSession(str(path), session_options(int(soc_model)))
 
@@ -65,7 +66,7 @@ def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] |
     than 16-bit quantization moved it from float."""
     import time
 
-    from hyco.export.smoke import PassLog
+    from hyco.pass_compare import PassLog
 
     passes = sorted({k.split("/", 1)[0] for k in data.files})
     names = [o.name for o in htp.get_outputs()]
@@ -191,8 +192,9 @@ def compare_ops(graph: Path, model, htp_session_of, feeds: list[dict]) -> dict:
     (`teacher_forced_model`), on `feeds`; every op must stay within `op_tolerance` codes."""
     from collections import defaultdict
 
-    from hyco.convert.export_onnx import ort_session
     from onnx import numpy_helper
+
+    from hyco.ort import ort_session
 
     taps = activation_taps(model)
     inits = {t.name: t for t in model.graph.initializer}
@@ -243,7 +245,8 @@ def _save_beside(model, path: Path) -> Path:
 def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None = None, per_op: bool = False) -> None:
     import onnx
     from hyco.calibrate.quantize import boundary_qparams
-    from hyco.convert.export_onnx import ort_session
+
+    from hyco.ort import ort_session
 
     model = onnx.load(str(graph), load_external_data=False)
     total = len(model.graph.node)

@@ -57,8 +57,9 @@ def lean_quantizer(weights: Path, int4_matmul: bool = True, check: bool = False)
     import onnxruntime.quantization.calibrate as calibrate
     import onnxruntime.quantization.onnx_model as onnx_model
     import onnxruntime.quantization.qdq_quantizer as qdq_quantizer
-    from hyco.convert.export_onnx import session_for
     from onnxruntime.quantization.quant_utils import add_infer_metadata, generate_identified_filename
+
+    from hyco.ort import session_for
 
     def load_weightless(model_path: Path) -> onnx.ModelProto:  # quant_utils.load_model_with_shape_infer
         inferred = generate_identified_filename(Path(model_path), "-inferred")
@@ -171,7 +172,8 @@ def int_extremes(ints: onnx.TensorProto, axis: int | None) -> tuple[np.ndarray, 
     of the whole tensor). A 2-D INT4 one with even dims is read byte by byte through nibble
     tables (unpacking E2B's INT4 weights to int8 cost seconds of each graph's calibration)."""
     from hyco.calibrate.prepare import _int_array
-    from hyco.convert.export_onnx import INT4_HIGH, INT4_LOW
+
+    from hyco.int4 import INT4_HIGH, INT4_LOW
 
     if ints.data_type == TensorProto.INT4 and len(ints.dims) == 2 and ints.dims[0] % 2 == 0 and ints.dims[1] % 2 == 0:
         b = np.frombuffer(ints.raw_data, np.uint8).reshape(ints.dims[0], ints.dims[1] // 2)

@@ -60,7 +60,7 @@ def _unique(graph: onnx.GraphProto, base: str) -> str:
 def _int_array(t: onnx.TensorProto) -> np.ndarray:
     """Integer initializer -> int8 numpy (INT4 unpacked), raw data loaded."""
     if t.data_type == TensorProto.INT4:
-        from hyco.convert.export_onnx import unpack_int4
+        from hyco.int4 import unpack_int4
 
         return unpack_int4(t.raw_data, int(np.prod(t.dims))).reshape(tuple(t.dims))
     return numpy_helper.to_array(t)
@@ -68,7 +68,7 @@ def _int_array(t: onnx.TensorProto) -> np.ndarray:
 
 def _int_tensor(name: str, values: np.ndarray, data_type: int) -> onnx.TensorProto:
     if data_type == TensorProto.INT4:
-        from hyco.convert.export_onnx import pack_int4
+        from hyco.int4 import pack_int4
 
         return helper.make_tensor(name, TensorProto.INT4, values.shape, pack_int4(values), raw=True)
     return numpy_helper.from_array(values, name)
@@ -77,7 +77,7 @@ def _int_tensor(name: str, values: np.ndarray, data_type: int) -> onnx.TensorPro
 def _transposed_ints(name: str, t: onnx.TensorProto) -> onnx.TensorProto:
     """A 2-D integer initializer's transpose (INT4: nibble by nibble, never unpacked)."""
     if t.data_type == TensorProto.INT4:
-        from hyco.convert.export_onnx import transpose_int4
+        from hyco.int4 import transpose_int4
 
         rows, cols = t.dims
         return helper.make_tensor(name, TensorProto.INT4, [cols, rows], transpose_int4(t.raw_data, (rows, cols)), raw=True)

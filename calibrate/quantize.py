@@ -123,7 +123,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     """ORT QDQ quantization of `prepared` (a model file with external data) into `out`. `lean`:
     through `ort_patches.lean_quantizer` (False: onnxruntime's own code paths, for the test that holds the
     two to the same graph); `int4_matmul`: its calibration session multiplies INT4 weights packed
-    (`convert.int4_matmul`; False: as onnxruntime's own session does, bit for bit); `check_lookups`:
+    (`hyco.int4_matmul`; False: as onnxruntime's own session does, bit for bit); `check_lookups`:
     each indexed lookup is also compared with onnxruntime's scan (tests)."""
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
@@ -442,7 +442,7 @@ def _same_packed_int4(a: onnx.TensorProto, a_axis: int, b: onnx.TensorProto, b_a
     one transposed first where their layouts differ (convert's [N, K] vs the deployable [K, N]);
     None where that does not apply. Unpacking both E2B graphs' 2 G weights to int8 and comparing
     transposed views took ~16 s per graph."""
-    from hyco.convert.export_onnx import transpose_int4
+    from hyco.int4 import transpose_int4
 
     if a.data_type != TensorProto.INT4 or b.data_type != TensorProto.INT4 or len(a.dims) != 2 or len(b.dims) != 2:
         return None

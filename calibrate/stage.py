@@ -71,10 +71,9 @@ def _manifest_tokenizer(folder: Path) -> Path | None:
 def check_inputs(convert: Path, qat: Path, vocab: Path, answers: Path) -> dict[str, Any]:
     """Every file the stage reads, checked before anything is written: present, one keep set,
     one tokenizer family. Returns the parsed pieces."""
-    from hyco.vocab.keepset import load_keep_set
-
     from hyco.answers import ANSWERS, read_answers
     from hyco.io_spec import read_io_spec
+    from hyco.keepset import load_keep_set
 
     convert, qat, vocab, answers_dir = Path(convert), Path(qat), Path(vocab), Path(answers)
     c_specs = read_io_spec(_need(convert / "io_spec.json", "convert's io_spec"))
@@ -106,12 +105,12 @@ def check_inputs(convert: Path, qat: Path, vocab: Path, answers: Path) -> dict[s
     if int(step_meta.get("keep_size", -1)) != len(keep_ids):
         raise HycoError(f"{qat / 'io_spec.json'}: {MTP_GRAPH} drafts over {step_meta.get('keep_size')} tokens, but "
                         f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
-    from hyco.qat.embed_lut import EMBED_LUT, EmbedLut
+    from hyco.embed_lut import EMBED_LUT, EmbedLut
 
     lut = EmbedLut.load(_need(qat / EMBED_LUT, "qat embed_lut"))
     if not np.array_equal(np.asarray(lut.keep_to_vocab, dtype=np.int64), keep_ids):
         raise HycoError(f"{qat / EMBED_LUT}: tensor 'keep_to_vocab' is not the keep set of {vocab / 'keep_set.json'}")
-    from hyco.convert.host import EmbeddingLut
+    from hyco.host import EmbeddingLut
 
     embed = EmbeddingLut.open(_need(convert / "luts" / "embed_tokens.safetensors", "convert LUT"))
     vocab_rows = embed.packed.shape[0]
@@ -171,7 +170,7 @@ def extra_output_session(model, names: list[str], folder: Path, tag: str, weight
         if n not in have:
             m.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
     if weights is not None:
-        from hyco.convert.export_onnx import session_for
+        from hyco.ort import session_for
 
         return session_for(m, weights, arena=False)
     path = folder / f"{tag}.onnx"
@@ -305,9 +304,8 @@ def input_grids(convert: Path, names: set[str]) -> dict[str, tuple[float, int]]:
     of it (`hyco.grids`: the HTP wraps an input beyond its grid): LUT rows over every token of
     each table, rotary cos / sin over [-1, 1]. A calibrated range held only the tokens and
     positions the calibration passes fed."""
-    from hyco.convert.host import EmbeddingLut
-
     from hyco.grids import uint16_grid
+    from hyco.host import EmbeddingLut
 
     ranges = {n: (-1.0, 1.0) for n in names if n.startswith(("cos_", "sin_"))}
     for name, lut in (("embeds", "embed_tokens"), ("per_layer_embeds", "embed_tokens_per_layer")):
@@ -410,7 +408,7 @@ def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negativ
 
 
 def mtp_captures(qat: Path, split: str):
-    from hyco.qat.capture import CaptureSet
+    from hyco.captures import CaptureSet
 
     folder = qat / "captures"
     meta = read_json(_need(folder / "captures.json", "qat captures"), "captures.json")
@@ -485,7 +483,7 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
     from hyco.answers import answer_stats
 
     report["data"] = answer_stats(inputs["answers"])
-    from hyco.convert.int4_matmul import shared_repacks
+    from hyco.int4_matmul import shared_repacks
 
     # convert's two graphs are read by the recording and again by the fidelity run: their INT4
     # weights are repacked for MatMulNBits once (~3 s per session at E2B size), and kept (2 GB of

@@ -48,8 +48,8 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from hyco.convert.export_onnx import ort_session
-from hyco.convert.host import (
+
+from hyco.host import (
     EmbeddingLut,
     KVRing,
     Rope,
@@ -59,8 +59,8 @@ from hyco.convert.host import (
     tree_ancestors,
     tree_positions,
 )
-
 from hyco.io_spec import GraphSpec
+from hyco.ort import ort_session
 
 # Float32 graph vs float32 transformers differ by summation order only (no SRQ:
 # test_parity_exact_without_srq_rounding). Measured after forcing the ties (undistilled fixture /

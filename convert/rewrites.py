@@ -74,7 +74,7 @@ def quantized_here(weight: torch.Tensor, source: str, bits: int) -> IntLinear:
 def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:
     """Output layer restricted to the keep set (vocab/'s restrict_output_layer): row r is
     vocabulary row keep_ids[r] with its own per-channel scale; SRQ scales are per tensor."""
-    from hyco.vocab.restrict import restrict_output_layer
+    from hyco.restrict import restrict_output_layer
 
     if keep_ids is None:
         return integer_linear(module, source)

@@ -34,7 +34,7 @@ def keep_ids_for(keep_set: Path | None, tokenizer: Path | None, vocab_size: int,
     """Keep-set token ids, checked against the checkpoint's tokenizer; None = whole vocabulary."""
     if keep_set is None:
         return None
-    from hyco.vocab.keepset import load_keep_set
+    from hyco.keepset import load_keep_set
 
     ks = load_keep_set(keep_set, tokenizer=tokenizer)
     ids = np.asarray(ks.token_ids, dtype=np.int64)
@@ -105,9 +105,10 @@ def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict
     in row blocks (only the keep rows of a restricted head), unpacked with the numpy reader in
     host.py (independent of the exporter and of transformers)."""
     import onnx
-    from hyco.convert.export_onnx import unpack_int4
-    from hyco.convert.host import mmap_safetensors, unpack_ints
     from hyco.convert.load import tied_embedding
+
+    from hyco.host import mmap_safetensors, unpack_ints
+    from hyco.int4 import unpack_int4
 
     model = onnx.load(str(out / graph), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
@@ -313,10 +314,11 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     shapes (1.66 GB packed, 86,089-row head, bench/bench_fullsize.py): 1,714 MiB peak RSS, 96 s
     on the 2-core machine at load ~2.5-5 (1,903 MiB and 188 s before the shape-inference fix)."""
     import torch
-    from hyco.convert.host import Rope
     from hyco.convert.load import completeness, kv_cache_scales, load_model, read_checkpoint, text_config
     from hyco.convert.luts import write_luts
     from hyco.convert.rewrites import build_static_model, effective_windows
+
+    from hyco.host import Rope
 
     start = time.perf_counter()
     phase = Phases("convert")

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from hyco.convert.host import SHORT
 from torch import nn
 
+from hyco.host import SHORT
 from hyco.io_spec import GraphSpec, TensorSpec
 
 # --- ops with an explicit ONNX form ---------------------------------------------------------

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hyco.export.qnn import soc_info
-from hyco.export.stage import GRAPHS, _copy_graph
+from hyco.export.stage import _copy_graph
 
 from hyco.artifacts import atomic_dir, markdown_table, write_json
 from hyco.errors import HycoError
-from hyco.io_spec import read_io_spec
+from hyco.io_spec import GRAPHS, read_io_spec
+from hyco.qnn import soc_info
 from hyco.recipe import ExportConfig
 
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"

@@ -37,48 +37,7 @@ import numpy as np
 from hyco.answers import MAX_TOP_SHARE, text_stats
 from hyco.artifacts import markdown_table, write_json
 from hyco.errors import HycoError
-
-TOPK_OUTPUTS = (("topk_logprobs", "topk_indices"), ("topk_logprobs", "topk_ids"))
-
-
-class PassLog:
-    """Per graph role: every pass's HTP-vs-CPU comparison on identical feeds. `tolerance`: one
-    bound for every graph, or a bound per graph role."""
-
-    def __init__(self, tolerance: float | dict[str, float]):
-        self.tolerance = tolerance
-        self.rows: list[dict[str, Any]] = []
-
-    def bound(self, role: str) -> float:
-        return self.tolerance[role] if isinstance(self.tolerance, dict) else self.tolerance
-
-    def record(self, role: str, names, htp, cpu, active: int | None = None) -> None:
-        """`active`: only the first rows are compared (the SLM graphs' padding rows, which see only
-        themselves and are never read, carry no draft; their near-ties would count as tie swaps)."""
-        bound = self.bound(role)
-        a, b = dict(zip(names, htp, strict=True)), dict(zip(names, cpu, strict=True))
-        lp_name, id_name = next(p for p in TOPK_OUTPUTS if p[0] in a and p[1] in a)
-        ids_h, ids_c = np.asarray(a[id_name])[:active], np.asarray(b[id_name])[:active]
-        lp_h, lp_c = np.asarray(a[lp_name], np.float64)[:active], np.asarray(b[lp_name], np.float64)[:active]
-        mismatches = ties = 0
-        for r in range(ids_c.shape[0]):
-            cpu_lp = dict(zip(ids_c[r].tolist(), lp_c[r].tolist(), strict=True))
-            for j in np.flatnonzero(ids_h[r] != ids_c[r]):
-                # the HTP's token at rank j: its CPU log-prob (at most the k-th if outside CPU's top-k)
-                other = cpu_lp.get(int(ids_h[r, j]), lp_c[r, -1])
-                if abs(lp_c[r, j] - other) <= bound:
-                    ties += 1
-                else:
-                    mismatches += 1
-        kv = [float(np.abs(a[n].astype(np.float64) - b[n]).max()) for n in names if n.startswith("new_")]
-        self.rows.append({"role": role, "rows": int(ids_c.shape[0]), "id_mismatches": mismatches, "tie_swaps": ties,
-                          "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()), "bound": bound,
-                          "ids_equal_rows": int((ids_h == ids_c).all(-1).sum()),
-                          "max_logprob_diff": float(np.abs(lp_h - lp_c).max()),
-                          "max_kv_diff": max(kv) if kv else None})
-
-    def ok(self, row: dict[str, Any]) -> bool:
-        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= row["bound"]
+from hyco.pass_compare import PassLog
 
 
 class ComparingSession:
@@ -163,7 +122,7 @@ def choose_prompts(reference_verifier, candidates: list[list[int]], count: int, 
     as the smoke run's verification samples it) with its statistics; the first `count` whose text
     is not degenerate are chosen, then, when too few are, the least degenerate others. Agreement
     measured on one repeated token says nothing."""
-    from hyco.runtime_check.tree import DraftTree
+    from hyco.runtime.tree import DraftTree
 
     rows = []
     for i, prompt in enumerate(candidates):
@@ -202,17 +161,17 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
     (`graph_bounds`); a number: that bound for every graph. `named_as`: the bundle's folder as the
     reports name it (export builds the bundle in a temp folder). `soc_model`: the SoC the smoke
     run is for; a bundle built for another is refused."""
-    from hyco.export.bundle import verify_bundle
-    from hyco.runtime_check.check import load_model, load_prompts
-    from hyco.runtime_check.configs import decode_config
-    from hyco.runtime_check.drafters import TreeDrafter
-    from hyco.runtime_check.qnn_backend import BundleSessions, mtp_qnn, slm_qnn
-    from hyco.runtime_check.verifier import ReferenceVerifier, Sampling
-    from hyco.vocab.keepset import load_keep_set
     from transformers import AutoTokenizer
 
+    from hyco.bundle import verify_bundle
     from hyco.io_spec import read_io_spec
+    from hyco.keepset import load_keep_set
     from hyco.recipe import CheckConfig, DatasetConfig
+    from hyco.runtime.configs import decode_config
+    from hyco.runtime.drafters import TreeDrafter
+    from hyco.runtime.inputs import load_model, load_prompts
+    from hyco.runtime.qnn_backend import BundleSessions, mtp_qnn, slm_qnn
+    from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
     bundle = Path(bundle)
     start = time.perf_counter()

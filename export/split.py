@@ -219,17 +219,3 @@ def _topological(nodes, producer) -> list[int]:
             stack.append((i, True))
             stack.extend((producer[x], False) for x in nodes[i].input if x in producer and producer[x] not in seen)
     return order
-
-
-class ChainedSession:
-    """Runs a split graph's parts in order, feeding each the graph inputs and earlier parts'
-    outputs it names; the same `run(names, feeds)` as one session."""
-
-    def __init__(self, parts: list[tuple[object, list[str], list[str]]]):
-        self.parts = parts  # (session, input names, output names)
-
-    def run(self, names, feeds):
-        env = dict(feeds)
-        for session, inputs, outputs in self.parts:
-            env.update(zip(outputs, session.run(outputs, {k: env[k] for k in inputs}), strict=True))
-        return [env[n] for n in names]

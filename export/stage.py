@@ -25,12 +25,10 @@ from hyco.artifacts import (
 )
 from hyco.errors import HycoError, ProofFailed
 from hyco.heap import return_large_blocks
-from hyco.io_spec import GraphSpec, read_io_spec, write_io_spec
+from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec, write_io_spec
 from hyco.recipe import ExportConfig, Recipe, to_dict
 from hyco.stages import stage_dir
 
-# role -> calibrate's file name (its io_spec.json is keyed by these)
-GRAPHS = {"tree": "tree.qdq.onnx", "prefill": "prefill.qdq.onnx", "mtp_step": "mtp_step.qdq.onnx"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json")
 
@@ -92,15 +90,16 @@ def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path, vo
 
 def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], config: ExportConfig,
                    phase: Phases | None = None) -> dict[str, Any]:
-    from hyco.export.bundle import check_binary_io, weight_bytes
-    from hyco.export.qnn import compile_isolated
-    from hyco.export.qnn_system import binary_info
     from hyco.export.split import split_graph
+
+    from hyco.bundle import check_binary_io, weight_bytes
+    from hyco.qnn import compile_isolated
+    from hyco.qnn_system import binary_info
 
     graphs = {}
     shared = {}
     if config.share_contexts:  # tree and prefill: one binary, one copy of their common weights
-        from hyco.export.qnn import compile_shared
+        from hyco.qnn import compile_shared
 
         roles = ("tree", "prefill")
         if any(weight_bytes(calibrate / GRAPHS[r]) > config.max_context_bytes for r in roles):
@@ -147,7 +146,7 @@ def declare_binaries(graphs: dict[str, Any], qnn_sdk: str) -> None:
     unlike a rerun that skips calibrate), differs (measured on the tiny family: 3,082 of 376,832
     bytes of mtp_step's; same size, same graph I/O read back). The EPContext wrappers are
     reproducible; so is every other byte of bundle.json but the binaries' hashes."""
-    from hyco.export.bundle import BUNDLE_JSON
+    from hyco.bundle import BUNDLE_JSON
 
     binaries = sorted({p["binary"] for g in graphs.values() for p in g["parts"]})
     why = (f"QNN HTP context binary from onnxruntime-qnn's prepare (QNN {qnn_sdk}): its bytes depend on the QNN "
@@ -181,14 +180,14 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     `allow_parity_failure`: then the summary carries `proof_failed` and the manifest is marked.
     `final`: where `out` will be once the stage is done (it is built in a temp folder), the
     folder the reports name. Returns a short summary for the manifest."""
-    from hyco.export.bundle import (
+    from hyco.bundle import (
         BUNDLE_JSON,
         BUNDLE_VERSION,
         device_footprint,
         file_table,
         footprint_markdown,
     )
-    from hyco.export.qnn import settle_soc, soc_info
+    from hyco.qnn import settle_soc, soc_info
 
     start = time.perf_counter()
     # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next (full

@@ -52,7 +52,7 @@ def file_digests(paths: list[Path]) -> list[str]:
     export's bundle.json). A file this process already hashed and that is unchanged since (same
     inode, size and mtime), or a hard link of one, is not read again: export listed its 5.5 GB
     bundle twice at full size. The rest are hashed side by side, a thread per core (hashlib
-    releases the GIL while it hashes). Checks of integrity (`export.bundle.verify_bundle`) read
+    releases the GIL while it hashes). Checks of integrity (`hyco.bundle.verify_bundle`) read
     every byte with `sha256_file` instead."""
     from concurrent.futures import ThreadPoolExecutor
 

@@ -90,3 +90,7 @@ def read_io_spec(path: Path) -> dict[str, GraphSpec]:
         return {g["graph"]: GraphSpec.from_dict(g) for g in data["graphs"]}
     except (KeyError, TypeError) as e:
         raise HycoError(f"{path}: malformed io_spec ({e})") from None
+
+
+# role -> calibrate's QDQ graph file (calibrate's and the bundle's io_spec.json are keyed by these)
+GRAPHS = {"tree": "tree.qdq.onnx", "prefill": "prefill.qdq.onnx", "mtp_step": "mtp_step.qdq.onnx"}

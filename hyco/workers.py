@@ -21,7 +21,7 @@ _threads = 0  # in a worker: CPU threads for its onnxruntime sessions (0: onnxru
 
 
 def cpu_threads() -> int:
-    """Intra-op threads for the CPU sessions this process opens (`convert.export_onnx.session_for`):
+    """Intra-op threads for the CPU sessions this process opens (`hyco.ort.session_for`):
     0 (onnxruntime's default, one per core) outside workers; in a worker its share of the cores,
     so that workers side by side do not oversubscribe them (two workers with two spinning threads
     each on 2 cores: +30% CPU seconds in calibrate's prepare phase, measured)."""

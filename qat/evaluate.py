@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from hyco.qat.capture import Capture
 from hyco.qat.quantsim import plain
 from hyco.qat.train import kl_teacher_student, model_inputs
+
+from hyco.captures import Capture
 
 
 @torch.no_grad()

@@ -12,69 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from hyco.errors import HycoError
-from hyco.handoff import StepInput, attention_masks
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: torch.Tensor  # [K] greedy drafted token ids (vocab ids)
-    topk_ids: torch.Tensor  # [K, topk] vocab ids, best first
-    topk_logprobs: torch.Tensor  # [K, topk]
-
-
-def _shared_kv(kv: dict[str, tuple[torch.Tensor, torch.Tensor]], device) -> dict:
-    return {name: (k[None].to(device), v[None].to(device)) for name, (k, v) in kv.items()}
-
-
-@torch.no_grad()
-def head_step(head: nn.Module, embed: torch.Tensor, hidden: torch.Tensor,
-              kv: dict[str, tuple[torch.Tensor, torch.Tensor]], position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call of the HF head, exactly as transformers' candidate generator makes it.
-    Returns (logits [V], next hidden [Hb])."""
-    device = head.pre_projection.weight.device
-    dtype = head.pre_projection.weight.dtype
-    inputs_embeds = torch.cat([embed, hidden], dim=-1).reshape(1, 1, -1).to(device, dtype)
-    kv_len = next(iter(kv.values()))[0].shape[1]
-    out = head(
-        inputs_embeds=inputs_embeds,
-        attention_mask=torch.ones(1, kv_len, dtype=torch.long, device=device),
-        position_ids=torch.tensor([[position]], device=device),
-        shared_kv_states=_shared_kv(kv, device),
-        use_cache=False,
-    )
-    return out.logits[0, -1].float(), out.last_hidden_state[0, -1].float()
-
-
-@torch.no_grad()
-def draft_chain(head: nn.Module, embed_fn, start: StepInput, depth: int, topk: int = 8,
-                keep_ids: torch.Tensor | None = None) -> Draft:
-    """Draft `depth` tokens greedily; `embed_fn(ids)` is the verifier's scaled input embedding.
-
-    With `keep_ids` (sorted vocab ids), logits are restricted to the keep set as on the phone:
-    the argmax and top-k run in keep-index space and map back to vocab ids.
-    """
-    embed, hidden = start.embed, start.hidden
-    tokens, ids, logprobs = [], [], []
-    for _ in range(depth):
-        logits, hidden = head_step(head, embed, hidden, start.kv, start.position)
-        if keep_ids is not None:
-            logits = logits[keep_ids.to(logits.device)]
-        lp = torch.log_softmax(logits, dim=-1)
-        top_lp, top_idx = torch.topk(lp, k=min(topk, lp.shape[-1]))
-        top_vocab = keep_ids.to(top_idx.device)[top_idx] if keep_ids is not None else top_idx
-        token = top_vocab[0]
-        tokens.append(token)
-        ids.append(top_vocab)
-        logprobs.append(top_lp)
-        embed = embed_fn(token.reshape(1).to(start.embed.device))[0].float()
-    return Draft(torch.stack(tokens).cpu(), torch.stack(ids).cpu(), torch.stack(logprobs).cpu())
+from hyco.handoff import attention_masks
 
 
 def require_plain_output_layer(config, where: str | None = None) -> None:

@@ -83,8 +83,7 @@ def capture_share(*, verifier: Path, tokenizer: Path, answers: Path, config: Qat
                   placement: PlacementConfig | None = None) -> None:
     """A follower process of `accelerate launch` (hyco/launch.py): its share of the captures,
     written into the main process's `captures` folder; the main process trains."""
-    from hyco.qat.capture import capture_answers
-
+    from hyco.captures import capture_answers
     from hyco.loading import load_tokenizer, load_verifier
 
     records, _ = read_answer_folder(Path(answers), load_tokenizer(Path(tokenizer)))
@@ -115,8 +114,6 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     """`answers`: the answers stage's folder (the text the head trains and is evaluated on);
     `placement`: the verifier's dtype and devices for the captures (default: BF16 on a GPU, fp32
     on the CPU)."""
-    from hyco.qat.capture import CaptureSet, capture_answers
-    from hyco.qat.embed_lut import EMBED_LUT, write_embed_lut
     from hyco.qat.evaluate import agreement
     from hyco.qat.lean_qdq import weights_quantized_once
     from hyco.qat.mtp import TeacherForcedHead, output_table_on_disk
@@ -128,8 +125,10 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         recalibrate_activations,
     )
     from hyco.qat.train import model_inputs, train_student
-    from hyco.vocab.keepset import load_keep_set
 
+    from hyco.captures import CaptureSet, capture_answers
+    from hyco.embed_lut import EMBED_LUT, write_embed_lut
+    from hyco.keepset import load_keep_set
     from hyco.launch import start_followers
     from hyco.loading import load_tokenizer, load_verifier
 
@@ -348,9 +347,8 @@ def write_drafter(out: Path, head, sim, keep, spec, ranges, config: QatConfig) -
 def parity_positions(cap, spec, config: QatConfig, positions: int = 8) -> list[tuple]:
     """The last drafting positions of `cap` as (StepInput, step graph feeds): the ring holds the
     last `window` positions, the references get the same rows."""
-    from hyco.qat.step_graph import rope_rows, step_feeds
-
     from hyco.handoff import StepInput
+    from hyco.runtime.mtp import rope_rows, step_feeds
 
     rows = []
     for t in cap.drafting_positions[-positions:].tolist():
@@ -416,7 +414,7 @@ def quantized_parity(out: Path, head, sim, rows: list[tuple], config: QatConfig)
 def float_parity(out: Path, head, keep_ids, rows: list[tuple], quantized: dict) -> dict:
     """Float graph vs transformers' head (its full-vocabulary output layer, cut to the keep set
     after), joined with `quantized_parity`'s result into the report's parity section."""
-    from hyco.qat.mtp import head_step
+    from hyco.runtime.mtp import head_step
 
     float_sess = _cpu_session(out / "mtp_step.float.onnx")
     float_diff, float_top1 = 0.0, 0

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hyco.handoff import StepInput, attention_masks
+from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec, TensorSpec
 
 TOPK_SLICE = 65_535  # widest TopK input whose indices HTP returns intact
@@ -175,39 +175,6 @@ def rope_tables(head: nn.Module) -> dict[str, dict]:
             for t in ("full_attention", "sliding_attention")}
 
 
-def rope_rows(table: dict, position: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin rows [1, head_dim] at `position`, as transformers' Gemma 4 rotary computes them."""
-    inv = np.asarray(table["inv_freq"], dtype=np.float32)
-    freqs = np.float32(position) * inv
-    emb = np.concatenate([freqs, freqs])[None]
-    return (np.cos(emb) * table["scaling"]).astype(np.float32), (np.sin(emb) * table["scaling"]).astype(np.float32)
-
-
-def step_feeds(start: StepInput, embed: np.ndarray, hidden: np.ndarray, spec: GraphSpec, ropes: dict,
-               negative: float) -> dict[str, np.ndarray]:
-    """Host side: the ring (position p in slot p % window, the last `window` positions),
-    masks and rotary rows for one step of a burst that started from `start`."""
-    window = spec.meta["window"]
-    n = next(iter(start.kv.values()))[0].shape[1]
-    positions = np.arange(max(0, n - window), n)
-    slots = positions % window
-    kv_positions = np.full(window, -1, dtype=np.int64)
-    kv_positions[slots] = positions
-    full, sliding = attention_masks(kv_positions, np.array([start.position]), spec.meta["sliding_window"], negative)
-    feeds = {"token_embed": np.asarray(embed, np.float32).reshape(1, -1),
-             "hidden": np.asarray(hidden, np.float32).reshape(1, -1), "mask_full": full, "mask_sliding": sliding}
-    for layer, (k_name, v_name) in {"full_attention": ("k_full", "v_full"),
-                                    "sliding_attention": ("k_sliding", "v_sliding")}.items():
-        for name, rows in zip((k_name, v_name), start.kv[layer], strict=True):
-            ring = np.zeros(spec.input(name).shape, np.float32)
-            ring[:, slots] = rows[:, positions].numpy()
-            feeds[name] = ring
-    for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
-        feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(ropes[layer], start.position)
-    spec.check_feeds(feeds)
-    return feeds
-
-
 # --- export ----------------------------------------------------------------------------------
 
 
@@ -227,14 +194,6 @@ def uint16_qparams(lo: float, hi: float) -> tuple[float, int]:
     from hyco.grids import uint16_grid
 
     return uint16_grid(lo, hi)
-
-
-def pack_int4(values: np.ndarray) -> bytes:
-    """ONNX INT4 raw data: two values per byte, the first in the low nibble (row-major)."""
-    v = (np.asarray(values, dtype=np.int8).reshape(-1) & 0x0F).astype(np.uint8)
-    if v.size % 2:
-        v = np.append(v, np.uint8(0))
-    return (v[0::2] | (v[1::2] << 4)).tobytes()
 
 
 def fixed_input_ranges(spec: GraphSpec, negative: float) -> dict[str, tuple[float, float]]:

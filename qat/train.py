@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from hyco.qat.capture import Capture
 from hyco.qat.lean_qdq import lean_weight_qdq
 from hyco.qat.mtp import teacher_forced_inputs
 from hyco.qat.quantsim import plain
 from tqdm import tqdm
 
+from hyco.captures import Capture
 from hyco.recipe import QatConfig
 
 

@@ -13,66 +13,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from hyco.runtime_check.configs import DecodeConfig, decode_config
-from hyco.runtime_check.decode import DecodeLog, decode
-from hyco.runtime_check.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
 from hyco.runtime_check.metrics import summarize
 from hyco.runtime_check.report import write_report
-from hyco.runtime_check.verifier import ReferenceVerifier, Sampling
 from tqdm import tqdm
 
 from hyco.errors import HycoError
 from hyco.recipe import CheckConfig, DatasetConfig, to_dict
-
-
-def load_model(path: Path, what: str):
-    from hyco.loading import check_scales, checkpoint_files, load_pretrained
-
-    quantized = what == "SLM"  # the QAT-format checkpoint: integer weights and their scales
-    if quantized:
-        check_scales(checkpoint_files(path, what))
-    model = load_pretrained(path, what, float_checkpoint=not quantized, dtype=torch.float32)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("eager")  # the tree masks are 4D additive masks
-    return model.eval()
-
-
-def _first_user(turns) -> list[str]:
-    """The first non-empty user turn (as the answers stage takes it; a system turn may come first)."""
-    return next(([text] for role, text in turns if role in ("user", "human") and text.strip()), [])
-
-
-def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
-                 all_available: bool = False) -> list[list[int]]:
-    """First user turns, formatted with the chat template: the vocab stage's reserved evaluation
-    prompts when it ran, else the first conversations of the dataset's evaluation partition
-    (hyco/splits.py), which no fixture distillation trains on. `all_available`: every reserved
-    prompt (at least `count`), for a caller that chooses among them."""
-    texts = []
-    prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
-    if prompts_file is not None and prompts_file.is_file():
-        from hyco.vocab.keepset import load_prompts as load_reserved
-
-        for record in load_reserved(prompts_file):
-            if record.get("split") == "eval":
-                texts += _first_user(record["turns"])
-    else:
-        from hyco.chat import iter_conversations
-        from hyco.splits import is_evaluation
-
-        for conv in iter_conversations(dataset.source, dataset.schema, dataset.split):
-            if not is_evaluation(conv):
-                continue
-            texts += _first_user(conv.turns)
-            if len(texts) >= count:
-                break
-    if len(texts) < count:
-        raise HycoError(f"check.prompts asks for {count} prompts, but {prompts_file or dataset.source} has {len(texts)}")
-    prompts = []
-    for text in (texts if all_available else texts[:count]):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+from hyco.runtime.configs import DecodeConfig, decode_config
+from hyco.runtime.decode import DecodeLog, decode
+from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
+from hyco.runtime.inputs import load_model, load_prompts
+from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
 
 @dataclass(frozen=True)
@@ -104,12 +55,12 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
     mtp = None
     wire = check.wire_bits == 8
     if phone_mtp(cfg) and check.backend == "qnn":  # convert_dir and qat_dir are both the export bundle
-        from hyco.runtime_check.qnn_backend import mtp_qnn
+        from hyco.runtime.qnn_backend import mtp_qnn
 
         mtp = mtp_qnn(qat_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
                       quantize_wire=wire)
     elif phone_mtp(cfg) and check.backend == "onnxruntime":
-        from hyco.runtime_check.mtp_onnx import MtpChainOnnx
+        from hyco.runtime.mtp_onnx import MtpChainOnnx
 
         mtp = MtpChainOnnx(qat_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
                            quantize_wire=wire)
@@ -120,11 +71,11 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
                             quantize_wire=not cfg.mtp_on_server and wire)
     drafter_slm = None
     if cfg.slm_passes and check.backend == "qnn":
-        from hyco.runtime_check.qnn_backend import slm_qnn
+        from hyco.runtime.qnn_backend import slm_qnn
 
         drafter_slm = slm_qnn(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full)
     elif cfg.slm_passes and check.backend == "onnxruntime":
-        from hyco.runtime_check.slm_onnx import SlmOnnx
+        from hyco.runtime.slm_onnx import SlmOnnx
 
         drafter_slm = SlmOnnx(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full)
     elif cfg.slm_passes:
@@ -173,8 +124,9 @@ def keyed_generate(verifier, prompt: list[int], max_new_tokens: int, sampling: S
     """The verifier alone, through transformers' own forward and cache (not the tree runner the
     check verifies with), each token drawn from p~ keyed by its position: the text exact
     verification must commit. Its tokens and raw logits per step."""
-    from hyco.runtime_check.acceptance import keyed_samples
     from transformers import DynamicCache
+
+    from hyco.runtime.acceptance import keyed_samples
 
     cache = DynamicCache(config=verifier.config.get_text_config())
     ids, tokens, logits = torch.tensor([prompt]), [], []
@@ -337,7 +289,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
 def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:
     if vocab_dir is None or not (Path(vocab_dir) / "keep_set.json").is_file():
         return None
-    from hyco.vocab.keepset import load_keep_set
+    from hyco.keepset import load_keep_set
 
     keep = load_keep_set(vocab_dir, tokenizer)
     if int(keep.token_ids.max()) >= vocab_size:

@@ -19,8 +19,9 @@ from __future__ import annotations
 from statistics import mean
 
 import numpy as np
-from hyco.runtime_check.decode import DecodeLog
-from hyco.runtime_check.tree import SOURCES
+
+from hyco.runtime.decode import DecodeLog
+from hyco.runtime.tree import SOURCES
 
 
 def summarize(logs: list[DecodeLog], keep_ids: np.ndarray | None, chain_depth: int) -> dict:

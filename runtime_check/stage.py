@@ -51,7 +51,7 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
     paths = inputs(recipe, run_dir)
     if recipe.check.backend == "qnn" and (paths["convert"] / "bundle.json").is_file():
         # a bundle built for another SoC than the recipe's is refused (run_check says when there is none)
-        from hyco.export.bundle import verify_bundle
+        from hyco.bundle import verify_bundle
 
         verify_bundle(paths["convert"], recipe.export.soc_model)
     return run_check(verifier=paths["verifier"], assistant=paths["assistant"], slm=paths["slm"],

@@ -11,10 +11,11 @@ import random
 
 import pytest
 import torch
-from hyco.runtime_check.acceptance import verify, verify_epsilon, verify_exact
-from hyco.runtime_check.sampling import sampling_probs
-from hyco.runtime_check.tree import SLM, DraftTree
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from hyco.runtime.acceptance import verify, verify_epsilon, verify_exact
+from hyco.runtime.sampling import sampling_probs
+from hyco.runtime.tree import SLM, DraftTree
 
 V = 6
 
@@ -208,7 +209,7 @@ def test_epsilon_rule_is_lossy_and_the_test_sees_it():
 def test_keyed_samples_depend_only_on_the_distribution_seed_and_position():
     """The same (seed, position) draws the same token from the same row whatever the other rows of
     the call; over many positions the draws follow the row's distribution."""
-    from hyco.runtime_check.acceptance import keyed_samples
+    from hyco.runtime.acceptance import keyed_samples
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     alone = keyed_samples(probs[None], [17], seed=3)

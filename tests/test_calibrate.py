@@ -21,12 +21,12 @@ import pytest
 from hyco.calibrate import prepare
 from hyco.calibrate.masks import MaskStats, choose_mask, masked_mass
 from hyco.calibrate.quantize import weights_bitexact
-from hyco.convert.export_onnx import ort_session
 
 from hyco.artifacts import Phases
 from hyco.errors import HycoError
 from hyco.grids import grid_range
 from hyco.io_spec import read_io_spec
+from hyco.ort import ort_session
 
 GRAPHS = ("tree.qdq.onnx", "prefill.qdq.onnx", "mtp_step.qdq.onnx")
 
@@ -635,7 +635,8 @@ def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated, mo
     """Issue 13: onnxruntime's CPU arena keeps each pass's high-water mark (the dequantized fp32
     weights) and grows pass after pass; calibrate's sessions turn it off and compute the same."""
     from hyco.calibrate.drive import Recorder, cpu_session, slm_driver
-    from hyco.vocab.keepset import load_keep_set
+
+    from hyco.keepset import load_keep_set
 
     convert = Path(tiny_calibrated) / "convert"
     sess, default = cpu_session(convert / "tree.onnx"), ort_session(convert / "tree.onnx")
@@ -650,7 +651,8 @@ def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated, mo
     assert slm.tree_session.session.get_session_options().enable_cpu_mem_arena is False
     # a driver handed its sessions opens none of its own (it used to open and drop both graphs)
     import hyco.calibrate.drive as drive
-    import hyco.runtime_check.slm_onnx as slm_onnx
+
+    import hyco.runtime.slm_onnx as slm_onnx
 
     opened = []
     for module, name in ((drive, "cpu_session"), (slm_onnx, "ort_session")):
@@ -676,7 +678,8 @@ def test_spilled_recording_reads_back_what_the_in_memory_one_holds(tiny_calibrat
     (KVRing.feeds() hands out live arrays that the next write changes in place; an in-memory
     recording that kept them replayed the final ring for every pass)."""
     from hyco.calibrate.drive import SpilledPasses, lockstep, slm_driver
-    from hyco.vocab.keepset import load_keep_set
+
+    from hyco.keepset import load_keep_set
 
     convert = Path(tiny_calibrated) / "convert"
     keep = np.asarray(load_keep_set(Path(tiny_calibrated) / "vocab" / "keep_set.json").token_ids)
@@ -721,7 +724,8 @@ def _augmented(model: onnx.ModelProto, folder: Path) -> Path:
 
 def _taps_as_constants_agree(path: Path, feeds: list[dict]) -> int:
     from hyco.calibrate.ort_patches import constant_weight_taps
-    from hyco.convert.export_onnx import session_for
+
+    from hyco.ort import session_for
 
     model = onnx.load(str(path), load_external_data=False)
     replaced = constant_weight_taps(model, path.parent)
@@ -795,12 +799,13 @@ def test_packed_int4_calibration_writes_onnxruntimes_graph_on_the_tiny_family(ti
     is the plain kernel's: the QDQ graph `quantize_graph` writes through packed sessions equals
     onnxruntime's unpatched one, every node and initializer bit for bit. At E2B width the sums
     differ in their last bits; tests/test_int4_matmul.py holds them to the fp32 summation bound."""
-    import hyco.convert.export_onnx as export_onnx
     from hyco.calibrate.quantize import quantize_graph
 
+    import hyco.ort as ort_module
+
     fused = []
-    real = export_onnx.fuse_int4_matmuls
-    monkeypatch.setattr(export_onnx, "fuse_int4_matmuls", lambda m, f: fused.append(real(m, f)) or fused[-1])
+    real = ort_module.fuse_int4_matmuls
+    monkeypatch.setattr(ort_module, "fuse_int4_matmuls", lambda m, f: fused.append(real(m, f)) or fused[-1])
     convert = Path(tiny_calibrated) / "convert"
     spec = read_io_spec(convert / "io_spec.json")["tree.onnx"]
     prepared = tmp_path / "tree.prepared.onnx"
@@ -917,7 +922,8 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
     passes it records walking in lockstep with the other. The replay gets an rng of another seed:
     a replay that drew its own commits or built its own trees would record other passes."""
     from hyco.calibrate.drive import cpu_session, lockstep, slm_driver
-    from hyco.vocab.keepset import load_keep_set
+
+    from hyco.keepset import load_keep_set
 
     run = Path(tiny_calibrated)
     convert = run / "convert"
@@ -989,7 +995,7 @@ def test_weights_bitexact_catches_one_changed_nibble_or_scale_bit(n, k):
     """The proof compares INT4 weights as packed bytes where both dims are even (the other one
     transposed nibble by nibble first), else unpacked (issue 13): either way one changed nibble,
     in either layout, or one changed scale bit fails it, naming the weight."""
-    from hyco.convert.export_onnx import pack_int4
+    from hyco.int4 import pack_int4
 
     rng = np.random.default_rng(0)
     ints = rng.integers(-8, 8, (n, k)).astype(np.int8)  # [out, in]

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from hyco.convert import host
 
+from hyco import host
 from hyco.cli import main
 from hyco.recipe import ConvertConfig
 
@@ -23,7 +23,8 @@ KEEP_SIZE = 3000
 
 
 def write_keep_set(folder: Path, tokenizer_dir: Path, ids) -> Path:
-    from hyco.vocab.keepset import (
+    from hyco.artifacts import write_json
+    from hyco.keepset import (
         KEEP_SET,
         KEEP_TO_VOCAB,
         VOCAB_TO_KEEP,
@@ -31,8 +32,6 @@ def write_keep_set(folder: Path, tokenizer_dir: Path, ids) -> Path:
         load_tokenizer,
         tokenizer_hash,
     )
-
-    from hyco.artifacts import write_json
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(tokenizer_dir)
@@ -175,9 +174,10 @@ def _edit_initializer(folder: Path, graph: str, name: str, edit) -> None:
 
 
 def _parity_of(out: Path, tiny_family, keep, only: tuple[str, ...]) -> dict:
-    from hyco.convert.host import Rope
     from hyco.convert.load import read_checkpoint
     from hyco.convert.stage import run_parity
+
+    from hyco.host import Rope
 
     return run_parity(read_checkpoint(tiny_family["slm"]), keep, out, None, Rope.from_json(out / "rope.json"),
                       only=only)
@@ -337,12 +337,13 @@ def test_int_initializer_from_packed_bytes_equals_unpacked_ints():
     """export_onnx builds each INT4/INT8 initializer from the checkpoint's packed bytes (XOR,
     a 256-entry int2 table, or unpack + pack for rows that do not line up): the same values
     as transformers' unpacking, for every width and row length."""
-    from hyco.convert.export_onnx import int_tensor, pack_int4, unpack_int4
+    from hyco.convert.export_onnx import int_tensor
     from hyco.convert.rewrites import integer_linear
     from onnx import numpy_helper
     from transformers.integrations.gemma_quant import QuantizedLinear
 
     from hyco.gemma_quant import pack
+    from hyco.int4 import pack_int4, unpack_int4
 
     torch.manual_seed(0)
     for bits in (2, 4, 8):
@@ -379,8 +380,9 @@ def test_rmsnorm_decomposed_close_to_transformers():
 def test_sliced_topk_past_65536_on_onnxruntime(tmp_path):
     """The HTP returns TopK indices modulo 65,536: no TopK in the graph may search a wider
     input, yet the result must be the exact top-k over 70,000 entries."""
-    from hyco.convert.export_onnx import ort_session
     from hyco.convert.static_model import SlicedTopK
+
+    from hyco.ort import ort_session
 
     torch.manual_seed(0)
     x = torch.randn(3, 70_000)
@@ -500,8 +502,9 @@ def to_multimodal(config: dict) -> dict:
 def test_multimodal_layout_gives_the_same_graph(tiny_text_family, tmp_path):
     """A text-only checkpoint moved into the multimodal wrapper (names under model.language_model.,
     a tower tensor, an unused k_proj) converts to the same graph."""
-    from hyco.convert.export_onnx import ort_session
     from hyco.convert.stage import convert
+
+    from hyco.ort import ort_session
 
     src = tiny_text_family["slm"]
     extra = {"model.language_model.layers.5.self_attn.k_proj.weight": torch.zeros(16, 32, dtype=torch.int8),
@@ -642,6 +645,8 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_text_family, tmp_path, 
     from onnx import numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor
 
+    from hyco.int4 import unpack_int4
+
     ckpt = read_checkpoint(tiny_text_family["slm"])
     model, text, lm_head = load_model(ckpt)
     static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=None,
@@ -700,7 +705,7 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_text_family, tmp_path, 
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 load_external_data_for_tensor(t, str(path.parent))
         if ints.data_type == onnx.TensorProto.INT4:
-            values = export_onnx.unpack_int4(ints.raw_data, m.ints.numel()).reshape(tuple(ints.dims))
+            values = unpack_int4(ints.raw_data, m.ints.numel()).reshape(tuple(ints.dims))
         else:
             values = numpy_helper.to_array(ints)
         assert (m.bits <= 4) == (ints.data_type == onnx.TensorProto.INT4), name
@@ -717,7 +722,8 @@ def test_cpu_session_dequantizes_each_weight_just_before_its_matmul(converted, g
     session has many. Every weight's Transpose -> MatMul becomes a Gemm(transB). ort_session's
     outputs (both rewrites) are bit-identical to the plain session's."""
     import onnxruntime as ort
-    from hyco.convert.export_onnx import gemm_for_transposed_weights, late_weight_dequant, ort_session
+
+    from hyco.ort import gemm_for_transposed_weights, late_weight_dequant, ort_session
 
     path = converted["out"] / graph
     model = onnx.load(str(path), load_external_data=False)
@@ -769,8 +775,9 @@ def test_late_dequant_and_gemm_on_a_calibrator_tapped_weight_and_a_single_row(tm
     still waits for its MatMul's activation (measured: the 35-layer tree's calibrator held every
     weight in fp32, 9.7 GB). A one-row activation keeps its Transpose -> MatMul: MLAS has a GEMV
     kernel for M == 1 and a non-transposed B, so Gemm(transB) would not be bit-identical there."""
-    from hyco.convert.export_onnx import gemm_for_transposed_weights, late_weight_dequant, ort_session
     from onnx import TensorProto, helper, numpy_helper
+
+    from hyco.ort import gemm_for_transposed_weights, late_weight_dequant, ort_session
 
     rng = np.random.default_rng(0)
     ints = rng.integers(-8, 8, (48, 40)).astype(np.int8)
@@ -814,8 +821,9 @@ def test_late_dequant_never_makes_a_weight_wait_for_its_own_descendant():
     """A MatMul whose activation is computed from the weight itself (here scaled by the
     weight's max) must keep its plain DQ: waiting for that activation would close a cycle
     (onnxruntime refused such a rewritten full-size calibration graph: 'not acyclic')."""
-    from hyco.convert.export_onnx import late_weight_dequant
     from onnx import TensorProto, helper, numpy_helper
+
+    from hyco.ort import late_weight_dequant
 
     ints = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
     nodes = [helper.make_node("DequantizeLinear", ["w.ints", "w.scale"], ["w"], axis=0),

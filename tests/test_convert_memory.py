@@ -45,7 +45,7 @@ CHILD = textwrap.dedent("""
     import onnx, onnx.checker, safetensors, torch, transformers  # what convert imports, before the baseline
     import transformers.integrations.gemma_quant
     from transformers import Gemma4ForCausalLM  # noqa: F401
-    import hyco.convert.export_onnx, hyco.convert.host, hyco.convert.load, hyco.convert.luts
+    import hyco.convert.export_onnx, hyco.host, hyco.convert.load, hyco.convert.luts, hyco.ort
     import hyco.convert.rewrites, hyco.convert.stage as stage
     from hyco.artifacts import peak_rss_mb
     from hyco.recipe import ConvertConfig

@@ -19,7 +19,7 @@ pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed 
 
 
 def test_unknown_soc_and_wrong_arch_are_refused():
-    from hyco.export.qnn import soc_info
+    from hyco.qnn import soc_info
 
     assert soc_info(87) == ("SM8850", 81)
     with pytest.raises(HycoError, match="soc_model must be one of .*87 \\(SM8850, v81\\).*but got 99"):
@@ -40,8 +40,9 @@ def test_export_cli_refuses_an_unknown_soc_before_any_work(tmp_path, capsys):
 
 def test_a_graph_that_would_fall_back_to_cpu_fails_with_the_op_named(tmp_path):
     import onnx
-    from hyco.export.qnn import compile_context
     from onnx import TensorProto, helper
+
+    from hyco.qnn import compile_context
 
     graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs_ok"),
                                helper.make_node("Det", ["a"], ["y"], name="det_refused")], "g",
@@ -58,10 +59,10 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
     child's refusal comes back as the same HycoError, and a compile that worked counts in this
     process's peak RSS (the child's peak plus this process's RSS)."""
     import onnx
-    from hyco.export.qnn import compile_isolated
     from onnx import TensorProto, helper
 
     from hyco.artifacts import peak_rss_mb
+    from hyco.qnn import compile_isolated
 
     def save(name: str, op: str) -> Path:
         graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs_ok"),
@@ -87,8 +88,9 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
 
 def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(tmp_path):
     import onnx
-    from hyco.export.qnn import compile_context, compile_isolated, prepare_options
     from onnx import TensorProto, helper
+
+    from hyco.qnn import compile_context, compile_isolated, prepare_options
 
     assert prepare_options(0) == {"enable_htp_prepare_only": "1"}  # QNN's own default
     assert prepare_options(1)["htp_graph_finalization_optimization_mode"] == "1"
@@ -110,10 +112,9 @@ def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(t
 
 
 def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_export):
-    from hyco.export.bundle import verify_bundle
-    from hyco.export.qnn_system import binary_info
-
+    from hyco.bundle import verify_bundle
     from hyco.io_spec import read_io_spec
+    from hyco.qnn_system import binary_info
 
     bundle, summary = tiny_export
     meta = json.loads((bundle / "bundle.json").read_text())
@@ -165,7 +166,7 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
 def test_the_installed_qnn_libraries_settle_the_soc_number(chip, number):
     """SM8850 is 87 by the libraries that build and load the binaries; 88, which some sources give for
     it, is SC8480XP there."""
-    from hyco.export.qnn import settle_soc
+    from hyco.qnn import settle_soc
 
     settled = settle_soc(chip)
     assert settled["soc_model"] == number
@@ -174,7 +175,7 @@ def test_the_installed_qnn_libraries_settle_the_soc_number(chip, number):
 
 
 def test_an_unknown_chip_name_is_refused():
-    from hyco.export.qnn import settle_soc
+    from hyco.qnn import settle_soc
 
     with pytest.raises(HycoError, match="do not know the chip 'SM9999'"):
         settle_soc("SM9999")
@@ -267,11 +268,12 @@ def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, 
 def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
     """Parts by layer ranges, each under the limit, chained on CPU equal the whole graph exactly;
     every part compiles for soc 87 with its I/O as planned."""
-    from hyco.convert.export_onnx import ort_session
-    from hyco.export.bundle import check_binary_io, weight_bytes
-    from hyco.export.qnn import compile_context
-    from hyco.export.qnn_system import binary_info
-    from hyco.export.split import ChainedSession, split_graph
+    from hyco.export.split import split_graph
+
+    from hyco.bundle import check_binary_io, weight_bytes
+    from hyco.ort import ort_session
+    from hyco.qnn import ChainedSession, compile_context
+    from hyco.qnn_system import binary_info
 
     graph = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
     total = weight_bytes(graph)
@@ -352,8 +354,9 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
 @pytest.mark.slow
 def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(tiny_calibrated, tiny_family,
                                                                                 tmp_path):
-    from hyco.export.bundle import verify_bundle
     from hyco.export.stage import export
+
+    from hyco.bundle import verify_bundle
 
     out = tmp_path / "export"
     export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert", qat=tiny_calibrated / "qat",

@@ -414,7 +414,6 @@ def test_distillation_never_reads_the_evaluation_prompts(tiny_text_family, tmp_p
     import itertools
     import re
 
-    from hyco.runtime_check.check import load_prompts
     from hyco.vocab.stage import build_vocab
     from transformers import AutoTokenizer
 
@@ -422,6 +421,7 @@ def test_distillation_never_reads_the_evaluation_prompts(tiny_text_family, tmp_p
     from hyco.fixtures.distill import DATASET, DistillConfig, training_conversations
     from hyco.fixtures.tokenizer import read_training_text
     from hyco.recipe import load_recipe
+    from hyco.runtime.inputs import load_prompts
     from hyco.splits import is_evaluation
 
     recipe = load_recipe("recipes/tiny.yaml")
@@ -477,10 +477,10 @@ def test_distilled_verifier_is_sharp_on_its_own_sampled_text(tiny_family_distill
     import itertools
     from collections import Counter
 
-    from hyco.runtime_check.sampling import sampling_probs
     from transformers import AutoTokenizer
 
     from hyco.chat import iter_conversations
+    from hyco.runtime.sampling import sampling_probs
     from hyco.splits import is_evaluation
 
     family = tiny_family_distilled

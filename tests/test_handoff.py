@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from hyco.qat.mtp import TeacherForcedHead, draft_chain, head_step, teacher_forced_inputs
+from hyco.qat.mtp import TeacherForcedHead, teacher_forced_inputs
 from hyco.qat.tiny_models import SLIDING_WINDOW, VOCAB, tiny_assistant, tiny_verifier
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
@@ -19,6 +19,7 @@ from hyco.handoff import (
     kv_wire_bytes,
     quantize_kv_rows,
 )
+from hyco.runtime.mtp import draft_chain, head_step
 
 
 @pytest.fixture(scope="module")
@@ -143,19 +144,19 @@ def test_wire_quantization_roundtrip():
 
 
 def test_past_the_sliding_window_the_handoff_carries_committed_rows_only(models):
-    """Intended behaviour (runtime_check/verifier.py): every round hands the head the K/V rows of
+    """Intended behaviour (hyco/runtime/verifier.py): every round hands the head the K/V rows of
     the committed tokens only, at their own positions, and the head's sliding window is applied by
     position; so past the window our live hand-off and chain equal `handoff_states` over the
     committed text (what qat/ trains on). transformers' candidate generator does otherwise there:
     it hands the head its verifier's sliding cache, which past the window holds the last rows of
     the sequence the verifier processed, rejected candidates included; that is shown here too."""
-    from hyco.runtime_check.configs import decode_config
-    from hyco.runtime_check.decode import decode
-    from hyco.runtime_check.drafters import MtpChainTorch, TreeDrafter
-    from hyco.runtime_check.verifier import ReferenceVerifier, Sampling
     from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
     from hyco.recipe import CheckConfig
+    from hyco.runtime.configs import decode_config
+    from hyco.runtime.decode import decode
+    from hyco.runtime.drafters import MtpChainTorch, TreeDrafter
+    from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
     verifier, head = models
     prompt = _prompt(5, seed=2)

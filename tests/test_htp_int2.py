@@ -34,7 +34,8 @@ def matmul_graph(path, weights: np.ndarray, scales: np.ndarray, dtype: int, opse
 
 def test_the_htp_computes_int2_weights_wrong_and_int4_right(tmp_path):
     import onnxruntime as ort
-    from hyco.export.qnn import session_options
+
+    from hyco.qnn import session_options
 
     rng = np.random.default_rng(0)
     weights = rng.integers(-2, 2, (64, 32)).astype(np.int8)  # the 2-bit range, held by both types

@@ -61,7 +61,8 @@ def test_teacher_forced_cpu_reproduces_its_own_codes_and_flags_a_wrong_op(tiny_c
     HTP wrapped cos = 1) is flagged beyond tolerance, that op named."""
     from hyco.calibrate.htp import _save_beside, activation_taps, compare_ops, op_tolerance
     from hyco.calibrate.stage import OUT_NAMES
-    from hyco.convert.export_onnx import ort_session
+
+    from hyco.ort import ort_session
 
     out = tiny_calibrated / "calibrate"
     work = tmp_path / "graph"

@@ -11,21 +11,21 @@ import onnxruntime as ort
 import pytest
 import torch
 from hyco.qat import step_graph
-from hyco.qat.capture import CaptureSet, capture_answers, load_capture
-from hyco.qat.embed_lut import EmbedLut
-from hyco.qat.mtp import head_step
 from hyco.qat.quantsim import best_clip_scales
-from hyco.qat.step_graph import MtpStep, export_float, io_spec, linear_names, rope_tables, step_feeds
+from hyco.qat.step_graph import MtpStep, export_float, io_spec, linear_names, rope_tables
 from hyco.qat.tiny_models import SLIDING_WINDOW, VOCAB, tiny_assistant, tiny_verifier
 from hyco.qat.train import lr_at
 from onnx import numpy_helper
 from safetensors.torch import load_file
 
+from hyco.captures import CaptureSet, capture_answers, load_capture
 from hyco.cli import main
+from hyco.embed_lut import EmbedLut
 from hyco.errors import HycoError
 from hyco.handoff import embed_tokens, handoff_states
 from hyco.io_spec import read_io_spec
 from hyco.recipe import QatConfig
+from hyco.runtime.mtp import head_step, step_feeds
 
 
 def _ort(path):
@@ -438,8 +438,9 @@ def test_training_masks_use_the_step_graphs_mask_value():
     """qat trains on the masks the step graph is fed (qat.mask_negative), not on -1e9: the
     16-bit mask input of the graph could not represent -1e9, so the two must be one value."""
     import torch
-    from hyco.qat.capture import Capture
     from hyco.qat.train import model_inputs
+
+    from hyco.captures import Capture
 
     n, d = 6, 4
     kv = {layer: (torch.zeros(1, n, d), torch.zeros(1, n, d)) for layer in ("full_attention", "sliding_attention")}

@@ -15,18 +15,19 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hyco.qat.mtp import draft_chain  # noqa: E402
-from hyco.runtime_check.check import PhoneShapes, build_drafter, eos_ids_of, load_model  # noqa: E402
-from hyco.runtime_check.configs import CONFIGS, decode_config  # noqa: E402
-from hyco.runtime_check.decode import decode  # noqa: E402
-from hyco.runtime_check.drafters import MtpChainTorch, SlmTorch, TreeDrafter  # noqa: E402
-from hyco.runtime_check.tree_pass import FULL, SLIDING, CachedTreeModel  # noqa: E402
-from hyco.runtime_check.verifier import ReferenceVerifier, Sampling  # noqa: E402
-from hyco.runtime_check.wire import handoff_bytes_per_round, kv_bytes_per_token  # noqa: E402
+from hyco.runtime_check.check import PhoneShapes, build_drafter, eos_ids_of
 from runtime_models import tiny_gemma4  # noqa: E402
 
 from hyco.handoff import handoff_states, kv_wire_bytes  # noqa: E402
 from hyco.recipe import CheckConfig  # noqa: E402
+from hyco.runtime.configs import CONFIGS, decode_config  # noqa: E402
+from hyco.runtime.decode import decode  # noqa: E402
+from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter  # noqa: E402
+from hyco.runtime.inputs import load_model
+from hyco.runtime.mtp import draft_chain
+from hyco.runtime.tree_pass import FULL, SLIDING, CachedTreeModel  # noqa: E402
+from hyco.runtime.verifier import ReferenceVerifier, Sampling  # noqa: E402
+from hyco.runtime.wire import handoff_bytes_per_round, kv_bytes_per_token  # noqa: E402
 
 GREEDY = Sampling(0.0, 64, 0.95)
 # The paper's phone: 1,024 / 512-slot rings, 1,024 prompt tokens, a 1,024-row MTP window.
@@ -291,7 +292,7 @@ class ScriptedDrafter:
         self.commits.append(tokens)
 
     def draft(self, root):
-        from hyco.runtime_check.tree import SLM, DraftTree
+        from hyco.runtime.tree import SLM, DraftTree
 
         tree, parent = DraftTree(root), 0
         for token in self.chains.pop(0):
@@ -306,13 +307,13 @@ class ScriptedVerifier:
         self.root, self.rows, self.vocab = root, rows, vocab
 
     def prefill(self, prompt, generator):
-        from hyco.runtime_check.verifier import Reply
+        from hyco.runtime.verifier import Reply
 
         return Reply(self.root, None)
 
     def verify_tree(self, tree, epsilon, generator):
-        from hyco.runtime_check.acceptance import verify
-        from hyco.runtime_check.verifier import Reply
+        from hyco.runtime.acceptance import verify
+        from hyco.runtime.verifier import Reply
 
         probs = self.rows(tree)
         verdict = verify(tree, probs, epsilon, generator)
@@ -389,8 +390,9 @@ def test_exact_verification_preserves_the_verifiers_distribution_end_to_end():
     """A tiny vocabulary (8 tokens): the SLM's tree, the verifier's tree pass and exact
     verification, repeated over many seeds; the first two committed tokens follow p~ computed from
     transformers' plain forward over each path (chi-square, p > 1e-3 at a fixed seed)."""
-    from hyco.runtime_check.acceptance import verify
     from test_acceptance import chi_square_p_value
+
+    from hyco.runtime.acceptance import verify
 
     vocab = 8
     verifier = tiny_gemma4(0, vocab=vocab)
@@ -545,8 +547,9 @@ def test_onnxruntime_slm_matches_the_float_slm(srq_free_slm, srq_free_graphs, ke
     requires 1e-4. This test is about the runtime's wiring, which SRQ does not touch."""
     from hyco.convert.load import read_checkpoint
     from hyco.convert.stage import take_quantized_here
-    from hyco.runtime_check.slm_onnx import SlmOnnx
-    from hyco.runtime_check.tree import SLM, DraftTree
+
+    from hyco.runtime.slm_onnx import SlmOnnx
+    from hyco.runtime.tree import SLM, DraftTree
 
     model = load_model(srq_free_slm, "SLM")
     # The float per_layer_model_projection with the graph's 8-bit values (as convert's parity does):
@@ -578,7 +581,7 @@ def test_onnxruntime_slm_matches_the_float_slm(srq_free_slm, srq_free_graphs, ke
 
 def lut_embed(mtp_graphs, keep):
     """The phone's embedding of a drafted token (qat's 8-bit table), as an `embed_fn` for torch."""
-    from hyco.qat.embed_lut import EmbedLut
+    from hyco.embed_lut import EmbedLut
 
     lut = EmbedLut.load(mtp_graphs / "embed_lut.safetensors")
     return lambda ids: torch.from_numpy(lut.rows(torch.searchsorted(keep, ids.reshape(-1)).numpy()))
@@ -608,7 +611,7 @@ def w4_twin(head, mtp_graphs, keep):
 def chains_from_live_handoffs(verifier, drafters: dict, prompt, rounds: int, topk: int) -> dict[str, list]:
     """Every drafter receives the same hand-offs (8-bit wire) from the reference verifier over
     `rounds` greedy rounds of a chain-only tree (the first drafter's chain), and proposes K = 4."""
-    from hyco.runtime_check.tree import DraftTree, plant_chain
+    from hyco.runtime.tree import DraftTree, plant_chain
 
     reference = ReferenceVerifier(verifier, GREEDY, window=WINDOW)
     reply = reference.prefill(prompt, None)
@@ -631,7 +634,7 @@ def test_float_step_graph_drafts_the_torch_chain(family, mtp_graphs, keep, long_
     6e-6); depths 2-4 within 1e-3, since each step feeds back next_hidden with the previous
     step's reordering error in it (seen 1.9e-4). (With the verifier's exact embeddings instead of
     the table, the torch chain shares 85% of the tokens: this random head's margins are small.)"""
-    from hyco.runtime_check.mtp_onnx import FLOAT_TWIN, MtpChainOnnx
+    from hyco.runtime.mtp_onnx import FLOAT_TWIN, MtpChainOnnx
 
     drafters = {
         "torch": MtpChainTorch(family["assistant"], family["verifier"], keep_ids=keep, window=WINDOW,
@@ -663,7 +666,7 @@ def test_int4_step_graph_stays_within_4bit_weight_noise(family, mtp_graphs, keep
     - the quantized graph keeps the float graph's top-1 about as often as the W4 twin does (within
       2 of 12 rounds: the input QDQ may flip a near-tie). How often that is depends on the draw's
       margins, not on the graph (seen 9 of 12 on one random head, 4 of 12 on the next)."""
-    from hyco.runtime_check.mtp_onnx import FLOAT_TWIN, MtpChainOnnx
+    from hyco.runtime.mtp_onnx import FLOAT_TWIN, MtpChainOnnx
 
     embed = lut_embed(mtp_graphs, keep)
     drafters = {
@@ -708,9 +711,8 @@ def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):
 
 
 def test_mtp_graph_refuses_settings_it_was_not_built_for(mtp_graphs, keep):
-    from hyco.runtime_check.mtp_onnx import MtpChainOnnx
-
     from hyco.errors import HycoError
+    from hyco.runtime.mtp_onnx import MtpChainOnnx
 
     args = {"keep_ids": keep, "window": WINDOW, "capture_point": "after_norm", "quantize_wire": True}
     with pytest.raises(HycoError, match=r"48-row K/V ring, but the check keeps 64 hand-off rows \(qat.window\)"):
@@ -724,9 +726,8 @@ def test_mtp_graph_refuses_settings_it_was_not_built_for(mtp_graphs, keep):
 
 
 def test_slm_graph_refuses_another_ring(slm_graphs, keep):
-    from hyco.runtime_check.slm_onnx import SlmOnnx
-
     from hyco.errors import HycoError
+    from hyco.runtime.slm_onnx import SlmOnnx
 
     with pytest.raises(HycoError, match=r"\[128\] full-attention ring slots, but the check expects convert.ring_full 64"):
         SlmOnnx(slm_graphs, keep_ids=keep, max_prompt=128, ring_full=64)
@@ -831,8 +832,9 @@ def test_greedy_decode_on_onnxruntime_accepts_drafts_and_equals_generate(distill
     greedy `generate` output, and the graphs' drafts were accepted. (hyco-2p too: greedy p~ is
     one-hot, so its epsilon rule accepts only the verifier's own token.)"""
     from hyco.runtime_check.check import handoff_window
-    from hyco.runtime_check.mtp_onnx import MtpChainOnnx
-    from hyco.runtime_check.slm_onnx import SlmOnnx
+
+    from hyco.runtime.mtp_onnx import MtpChainOnnx
+    from hyco.runtime.slm_onnx import SlmOnnx
 
     check = CheckConfig(temperature=0.0, backend="onnxruntime")
     cfg = decode_config(name, check)

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 import yaml
-from hyco.runtime_check.configs import decode_config
 
 from hyco.cli import main
 from hyco.recipe import CheckConfig
+from hyco.runtime.configs import decode_config
 
 CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp"]
 
@@ -68,8 +68,9 @@ def test_a_divergence_from_generate_is_reported_with_its_margin(tmp_path):
     """`compare_with_generate` names the first differing prompt and token, with the verifier's
     logit margin there, and report.md says so in words."""
     from hyco.runtime_check.check import compare_with_generate
-    from hyco.runtime_check.decode import DecodeLog
     from hyco.runtime_check.report import write_report
+
+    from hyco.runtime.decode import DecodeLog
 
     logits = torch.zeros(4, 10)
     logits[2, 7], logits[2, 5] = 3.0, 2.5

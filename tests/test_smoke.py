@@ -12,7 +12,7 @@ pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed 
 
 
 def test_pass_comparison_counts_ties_and_mismatches():
-    from hyco.export.smoke import PassLog
+    from hyco.pass_compare import PassLog
 
     log = PassLog(tolerance=0.1)
     names = ["topk_logprobs", "topk_ids"]
@@ -48,7 +48,7 @@ def test_commits_compare_as_streams_and_a_different_length_needs_a_tie():
 
 
 def test_codes_session_feeds_codes_and_returns_the_same_grid():
-    from hyco.runtime_check.qnn_backend import CodesSession, float_view
+    from hyco.runtime.qnn_backend import CodesSession, float_view
 
     q = {"dtype": "uint8", "scale": 0.02, "zero_point": 128}
     spec = GraphSpec("g", (TensorSpec("k_ring_0", (4,), "uint8", "ring", q),),

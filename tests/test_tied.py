@@ -132,8 +132,9 @@ def converted_tied(pair, tiny_text_family, tmp_path_factory):
 
 def _graph_lm_head(out, graph):
     """The tree/prefill graph's output-layer ints [keep, hidden] and scales [keep], read back here."""
-    from hyco.convert.export_onnx import unpack_int4
     from onnx.external_data_helper import load_external_data_for_tensor
+
+    from hyco.int4 import unpack_int4
 
     enc = json.loads((out / "encodings.json").read_text())["weights"]["lm_head"]
     model = onnx.load(str(out / graph), load_external_data=False)
@@ -225,7 +226,7 @@ def write_tie_flag_with_stored_head(src, dst):
 def test_check_loads_a_tie_flag_with_a_stored_head_as_the_untied_model(tiny_text_family, tmp_path):
     """transformers' own tie would reach for embed_tokens.weight, which a quantized table lacks
     (an AttributeError in tie_weights); the stored head is the model's output layer."""
-    from hyco.runtime_check.check import load_model
+    from hyco.runtime.inputs import load_model
 
     stored = write_tie_flag_with_stored_head(tiny_text_family["slm"], tmp_path / "stored")
     model, plain = load_model(stored, "SLM"), load_model(tiny_text_family["slm"], "SLM")
@@ -236,7 +237,7 @@ def test_check_loads_a_tie_flag_with_a_stored_head_as_the_untied_model(tiny_text
 
 
 def test_check_loads_a_tied_table_as_its_untied_twin(pair):
-    from hyco.runtime_check.check import load_model
+    from hyco.runtime.inputs import load_model
 
     tied, twin = pair
     model, twin_model = load_model(tied, "SLM"), load_model(twin, "SLM")

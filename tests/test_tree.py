@@ -5,7 +5,8 @@ import random
 
 import numpy as np
 import pytest
-from hyco.runtime_check.tree import (
+
+from hyco.runtime.tree import (
     CHAIN,
     SIBLING,
     SLM,

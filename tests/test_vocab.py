@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 from hyco.vocab.corpus import assistant_view
-from hyco.vocab.keepset import load_keep_set, load_tokenizer, tokenizer_hash
-from hyco.vocab.restrict import restrict_output_layer
 from hyco.vocab.stage import build_vocab
 
 from hyco.chat import TruncatedWarning
 from hyco.cli import main
 from hyco.errors import HycoError
+from hyco.keepset import load_keep_set, load_tokenizer, tokenizer_hash
 from hyco.recipe import DatasetConfig, VocabConfig
+from hyco.restrict import restrict_output_layer
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"] + [f"<unused{i}>" for i in range(17)]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -421,7 +421,7 @@ vocab:
 
 
 def test_fixture_tokenizer_keeps_every_always_kept_category(tiny_family, tmp_path):
-    from hyco.vocab.keepset import BYTE_TOKENS, SCRIPT_RANGES
+    from hyco.keepset import BYTE_TOKENS, SCRIPT_RANGES
 
     tokenizer = tiny_family["tokenizer"]
     tok = load_tokenizer(tokenizer)
@@ -480,7 +480,8 @@ def test_restricting_the_fixture_heads(tiny_family, tmp_path):
 
 def test_heldout_split_and_prompt_reader(hand_tokenizer, tmp_path):
     import datasets
-    from hyco.vocab.keepset import load_prompts
+
+    from hyco.keepset import load_prompts
 
     folder = tmp_path / "chat" / "data"
     folder.mkdir(parents=True)
@@ -531,7 +532,7 @@ def test_placeholders_left_out_unless_the_recipe_keeps_them(hand_tokenizer, hand
 
 
 def test_chat_markers_come_from_the_template(hand_tokenizer):
-    from hyco.vocab.keepset import always_kept, chat_marker_ids
+    from hyco.keepset import always_kept, chat_marker_ids
 
     tok = load_tokenizer(hand_tokenizer)
     ids, how = chat_marker_ids(tok)
@@ -553,7 +554,8 @@ def test_real_gemma_tokenizer_categories(tmp_path, monkeypatch):
     are kept, its 6,242 <unusedN> placeholders are not, its 4,678 Hangul pieces are. Counted on
     40 packaged ShareGPT conversations only, and the 33 MB tokenizer is loaded once, to stay fast."""
     from hyco.vocab import stage
-    from hyco.vocab.keepset import always_kept
+
+    from hyco.keepset import always_kept
 
     tok = load_tokenizer(REAL_TOKENIZER)
     monkeypatch.setattr(stage, "load_tokenizer", lambda path: tok if Path(path) == REAL_TOKENIZER else None)

@@ -63,10 +63,10 @@ def test_workers_take_their_share_of_the_cores_and_sessions_use_it(tmp_path, mon
     thread computes what the default one does, bit for bit (MLAS splits rows and columns across
     threads, never the summation): a 33 x 1,536 x 2,048 INT4 MatMul, as calibrate's graphs have."""
     import numpy as np
-    from hyco.convert.export_onnx import ort_session
     from test_int4_matmul import weight_graph
 
     from hyco import workers
+    from hyco.ort import ort_session
 
     assert workers.cpu_threads() == 0
     assert workers.in_processes(_threads, [(), ()], "threads") == [max(1, (os.cpu_count() or 1) // 2)] * 2

@@ -80,5 +80,5 @@ def _cmd_vocab(args: argparse.Namespace) -> int:
     short = {k: f"{v}/{s['requested'][k]}" for k, v in s["got"].items() if v < s["requested"][k]}
     if short:
         print(f"note: the corpus ran out before every pool was full (got/requested: {short})")
-    print(f"next: convert/, qat/ and calibrate/ read {out} (hyco.vocab.keepset.load_keep_set, load_prompts)")
+    print(f"next: convert/, qat/ and calibrate/ read {out} (hyco.keepset.load_keep_set, load_prompts)")
     return 0

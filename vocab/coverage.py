@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from hyco.vocab.keepset import frequency_order
+
+from hyco.keepset import frequency_order
 
 REFERENCE_LABELS = {21_000: "21K", 45_000: "45K", 86_089: "86K"}
 

@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 from hyco.vocab.corpus import Deal, TokenCounter, assistant_view, deal
 from hyco.vocab.coverage import comparison_sizes, outside_share_curve, plot_coverage, share_at
-from hyco.vocab.keepset import (
+from tqdm import tqdm
+
+from hyco.artifacts import fingerprint, markdown_table, write_json
+from hyco.chat import PACKAGED, iter_conversations
+from hyco.errors import HycoError
+from hyco.keepset import (
     CATEGORIES,
     KEEP_SET,
     KEEP_TO_VOCAB,
@@ -29,11 +34,6 @@ from hyco.vocab.keepset import (
     select_keep_set,
     tokenizer_hash,
 )
-from tqdm import tqdm
-
-from hyco.artifacts import fingerprint, markdown_table, write_json
-from hyco.chat import PACKAGED, iter_conversations
-from hyco.errors import HycoError
 from hyco.recipe import DatasetConfig, Recipe, VocabConfig, to_dict
 from hyco.splits import EVAL_BUCKETS
 

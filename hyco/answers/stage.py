@@ -31,9 +31,9 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
     from transformers import GenerationConfig
 
     from hyco.answers import generate_answers, write_answers
+    from hyco.keepset import load_prompts
     from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer, load_verifier
-    from hyco.vocab.keepset import load_prompts
 
     start_followers()
     start = time.perf_counter()

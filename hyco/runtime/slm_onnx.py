@@ -1,7 +1,7 @@
 """The SLM Drafter on convert/'s static graphs through onnxruntime (CPU, optimisations off).
 
 Same interface as `SlmTorch` (start / commit / propose). Feeds come from io_spec.json and
-convert/host.py's numpy pieces (LUT lookup, rotary tables, KV ring, masks), as on the phone:
+hyco/host.py's numpy pieces (LUT lookup, rotary tables, KV ring, masks), as on the phone:
 `prefill.onnx` takes the prompt's last `max_prompt` tokens in fixed-size chunks, `tree.onnx`
 takes the committed backlog plus the tree in its fixed rows (padding rows inactive), and only
 the backlog's rotated K/V rows are written to the ring afterwards.
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hyco.convert.export_onnx import ort_session
-from hyco.convert.host import EmbeddingLut, KVRing, Rope, build_feeds, tree_ancestors, tree_positions
-from hyco.runtime_check.tree import DraftTree
 
 from hyco.errors import HycoError
+from hyco.host import EmbeddingLut, KVRing, Rope, build_feeds, tree_ancestors, tree_positions
 from hyco.io_spec import read_io_spec
+from hyco.ort import ort_session
+from hyco.runtime.tree import DraftTree
 
 
 class SlmOnnx:
@@ -26,7 +26,7 @@ class SlmOnnx:
                  graphs: tuple[str, str] = ("tree.onnx", "prefill.onnx"), open_session=None):
         """`graphs`: the tree and prefill graphs' io_spec keys; `open_session(key)` returns an
         object with onnxruntime's `run(names, feeds)` (default: onnxruntime CPU on that file;
-        runtime_check/qnn_backend.py passes the QNN HTP context binaries of an export bundle)."""
+        hyco/runtime/qnn_backend.py passes the QNN HTP context binaries of an export bundle)."""
         convert_dir = Path(convert_dir)
         specs = read_io_spec(convert_dir / "io_spec.json")
         for name in graphs:

@@ -1,7 +1,7 @@
 """The reference verifier: transformers' Gemma 4 on the server side of a HyCo round.
 
 Per round it runs one forward pass over the draft tree on top of the committed prefix (tree
-attention mask, per-node positions: runtime_check/tree_pass.py), turns each row's logits into p~
+attention mask, per-node positions: hyco/runtime/tree_pass.py), turns each row's logits into p~
 (temperature, top-k, top-p; section 3.5), verifies the tree (exact or epsilon-threshold), keeps
 the K/V of the root and the accepted path in its cache, and returns the hand-off for the next
 round (section 3.1): e(bonus) as the assistant consumes it, h at the path's endpoint (the row the
@@ -25,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hyco.runtime_check.acceptance import Verdict, keyed_samples, verify
-from hyco.runtime_check.sampling import sample_rows, sampling_probs
-from hyco.runtime_check.tree import DraftTree
-from hyco.runtime_check.tree_pass import CachedTreeModel, PassOutput
 
 from hyco.handoff import LAYER_TYPES, embed_tokens
+from hyco.runtime.acceptance import Verdict, keyed_samples, verify
+from hyco.runtime.sampling import sample_rows, sampling_probs
+from hyco.runtime.tree import DraftTree
+from hyco.runtime.tree_pass import CachedTreeModel, PassOutput
 
 
 @dataclass(frozen=True)

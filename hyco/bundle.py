@@ -160,8 +160,8 @@ def verify_bundle(bundle: Path, soc_model: int | None = None) -> dict[str, Any]:
     """Check every file against bundle.json and every binary against io_spec; returns bundle.json.
     `soc_model`: the SoC the caller runs for; a bundle built for another is refused, and so is a
     binary whose own socModel or Hexagon arch (read through libQnnSystem) is not the bundle's."""
-    from hyco.export.qnn import SOCS
-    from hyco.export.qnn_system import binary_info
+    from hyco.qnn import SOCS
+    from hyco.qnn_system import binary_info
 
     bundle = Path(bundle)
     meta = read_json(bundle / BUNDLE_JSON, BUNDLE_JSON)

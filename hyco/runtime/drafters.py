@@ -14,15 +14,15 @@ export bundle's context binaries (qnn_backend.py: the same drafters, other sessi
 from __future__ import annotations
 
 import torch
-from hyco.qat.mtp import Draft, draft_chain
-from hyco.runtime_check.configs import DecodeConfig
-from hyco.runtime_check.tree import DraftTree, add_slm_children, plant_chain, trim_with_map
-from hyco.runtime_check.tree_pass import CachedTreeModel
-from hyco.runtime_check.verifier import Handoff, Reply
-from hyco.runtime_check.wire import WireCount, send
 
 from hyco.errors import HycoError
 from hyco.handoff import StepInput, embed_tokens
+from hyco.runtime.configs import DecodeConfig
+from hyco.runtime.mtp import Draft, draft_chain
+from hyco.runtime.tree import DraftTree, add_slm_children, plant_chain, trim_with_map
+from hyco.runtime.tree_pass import CachedTreeModel
+from hyco.runtime.verifier import Handoff, Reply
+from hyco.runtime.wire import WireCount, send
 
 
 class HandoffWindow:

@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from hyco.runtime_check.sampling import sample_rows
-from hyco.runtime_check.tree import DraftTree
+
+from hyco.runtime.sampling import sample_rows
+from hyco.runtime.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hyco.runtime_check.verifier import Handoff
 
 from hyco.handoff import dequantize_kv_rows, kv_wire_bytes, quantize_kv_rows
+from hyco.runtime.verifier import Handoff
 
 
 @dataclass(frozen=True)

@@ -19,24 +19,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from hyco.export.stage import GRAPHS
-from hyco.runtime_check.mtp_onnx import MtpChainOnnx
-from hyco.runtime_check.slm_onnx import SlmOnnx
 
 from hyco.artifacts import read_json
 from hyco.errors import HycoError
 from hyco.grids import clamp_to_grid
-from hyco.io_spec import GraphSpec, TensorSpec, read_io_spec
+from hyco.io_spec import GRAPHS, GraphSpec, TensorSpec, read_io_spec
+from hyco.runtime.mtp_onnx import MtpChainOnnx
+from hyco.runtime.slm_onnx import SlmOnnx
 
 SPEC_KEYS = GRAPHS  # role -> io_spec key (calibrate's file names)
 
 
 def _open(path: str, backend: str, soc_model: int):
     if backend == "qnn":
-        from hyco.export.qnn import open_context
+        from hyco.qnn import open_context
 
         return open_context(Path(path), soc_model=soc_model)
-    from hyco.convert.export_onnx import ort_session
+    from hyco.ort import ort_session
 
     return ort_session(Path(path))
 
@@ -174,7 +173,7 @@ class BundleSessions:
                 if len(parts) == 1:
                     self.graphs[role] = parts[0]
                 else:
-                    from hyco.export.split import ChainedSession
+                    from hyco.qnn import ChainedSession
 
                     self.graphs[role] = ChainedSession([
                         (s, [t["name"] for t in p["io"]["inputs"]], [t["name"] for t in p["io"]["outputs"]])

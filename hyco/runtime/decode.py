@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from hyco.runtime_check.drafters import TreeDrafter
-from hyco.runtime_check.tree import CHAIN
-from hyco.runtime_check.verifier import ReferenceVerifier
+
+from hyco.runtime.drafters import TreeDrafter
+from hyco.runtime.tree import CHAIN
+from hyco.runtime.verifier import ReferenceVerifier
 
 
 @dataclass

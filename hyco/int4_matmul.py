@@ -15,7 +15,7 @@ outputs differ in the last bits (relative 1.5e-6 at K = 1,536; tests/test_int4_m
 sessions to each other at a stated bound). INT8 weights keep DequantizeLinear (1% of E2B's weight;
 MatMulNBits' 8-bit path is slower than DequantizeLinear -> Gemm here).
 
-For CPU sessions only (`convert.export_onnx.session_for`): the graphs on disk and the deployed
+For CPU sessions only (`hyco.ort.session_for`): the graphs on disk and the deployed
 ones keep DequantizeLinear -> MatMul, which is what the HTP's QDQ matcher reads.
 
 Repacking costs ~3 s per E2B-sized session (repack 1.9 s, writing the 1 GB folder 1.2 s), and
@@ -108,7 +108,7 @@ def matmul_nbits_weight(raw: bytes, shape: tuple[int, int], transposed: bool) ->
     """An ONNX INT4 weight's raw bytes -> MatMulNBits' B, uint8 [N, blocks, block_size / 2].
     `shape`: the initializer's; [N, K] feeding Transpose -> MatMul (convert's graphs), or [K, N]
     feeding MatMul directly (`transposed`, calibrate's prepared graphs)."""
-    from hyco.convert.export_onnx import transpose_int4
+    from hyco.int4 import transpose_int4
 
     n, k = (shape[1], shape[0]) if transposed else shape
     size = block_size(k)
@@ -136,8 +136,9 @@ def _read_raw(tensor, folder: Path) -> bytes:
     if not uses_external_data(tensor):
         if tensor.HasField("raw_data"):
             return tensor.raw_data
-        from hyco.convert.export_onnx import pack_int4
         from onnx import TensorProto, numpy_helper
+
+        from hyco.int4 import pack_int4
 
         values = numpy_helper.to_array(tensor)  # typed fields (int32_data, float_data)
         return pack_int4(values) if tensor.data_type == TensorProto.INT4 else values.tobytes()

@@ -53,8 +53,9 @@ def settle_soc(chip: str) -> dict[str, Any]:
     import onnx
     import onnxruntime as ort
     import onnxruntime_qnn
-    from hyco.export.qnn_system import binary_info
     from onnx import TensorProto, helper
+
+    from hyco.qnn_system import binary_info
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])
@@ -252,3 +253,17 @@ def compile_shared(graphs: list[tuple[Path, str]], out_dir: Path, *, soc_model: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [Compiled(out_dir / ctx.name, out_dir / bins[0].name, s, n) for ctx, s, n in compiled]
+
+
+class ChainedSession:
+    """Runs a split graph's parts in order, feeding each the graph inputs and earlier parts'
+    outputs it names; the same `run(names, feeds)` as one session."""
+
+    def __init__(self, parts: list[tuple[object, list[str], list[str]]]):
+        self.parts = parts  # (session, input names, output names)
+
+    def run(self, names, feeds):
+        env = dict(feeds)
+        for session, inputs, outputs in self.parts:
+            env.update(zip(outputs, session.run(outputs, {k: env[k] for k in inputs}), strict=True))
+        return [env[n] for n in names]

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hyco.convert.export_onnx import ort_session
-from hyco.qat.embed_lut import EMBED_LUT, EmbedLut
-from hyco.qat.mtp import Draft
-from hyco.qat.step_graph import rope_rows, step_feeds
-from hyco.runtime_check.drafters import HandoffWindow
 
+from hyco.embed_lut import EMBED_LUT, EmbedLut
 from hyco.errors import HycoError
 from hyco.handoff import StepInput
 from hyco.io_spec import read_io_spec
+from hyco.ort import ort_session
+from hyco.runtime.drafters import HandoffWindow
+from hyco.runtime.mtp import Draft, rope_rows, step_feeds
 
 STEP_GRAPH = "mtp_step.onnx"
 FLOAT_TWIN = "mtp_step.float.onnx"

@@ -1,0 +1,61 @@
+"""What every runtime run starts from: the checkpoints (float32, eager attention, the SLM's
+integer weights with their scales checked) and the evaluation prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hyco.errors import HycoError
+from hyco.recipe import DatasetConfig
+
+
+def load_model(path: Path, what: str):
+    from hyco.loading import check_scales, checkpoint_files, load_pretrained
+
+    quantized = what == "SLM"  # the QAT-format checkpoint: integer weights and their scales
+    if quantized:
+        check_scales(checkpoint_files(path, what))
+    model = load_pretrained(path, what, float_checkpoint=not quantized, dtype=torch.float32)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")  # the tree masks are 4D additive masks
+    return model.eval()
+
+
+def _first_user(turns) -> list[str]:
+    """The first non-empty user turn (as the answers stage takes it; a system turn may come first)."""
+    return next(([text] for role, text in turns if role in ("user", "human") and text.strip()), [])
+
+
+def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
+                 all_available: bool = False) -> list[list[int]]:
+    """First user turns, formatted with the chat template: the vocab stage's reserved evaluation
+    prompts when it ran, else the first conversations of the dataset's evaluation partition
+    (hyco/splits.py), which no fixture distillation trains on. `all_available`: every reserved
+    prompt (at least `count`), for a caller that chooses among them."""
+    texts = []
+    prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
+    if prompts_file is not None and prompts_file.is_file():
+        from hyco.keepset import load_prompts as load_reserved
+
+        for record in load_reserved(prompts_file):
+            if record.get("split") == "eval":
+                texts += _first_user(record["turns"])
+    else:
+        from hyco.chat import iter_conversations
+        from hyco.splits import is_evaluation
+
+        for conv in iter_conversations(dataset.source, dataset.schema, dataset.split):
+            if not is_evaluation(conv):
+                continue
+            texts += _first_user(conv.turns)
+            if len(texts) >= count:
+                break
+    if len(texts) < count:
+        raise HycoError(f"check.prompts asks for {count} prompts, but {prompts_file or dataset.source} has {len(texts)}")
+    prompts = []
+    for text in (texts if all_available else texts[:count]):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
