@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from hyco.recipe import CalibrateConfig, to_dict
@@ -33,6 +34,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--percentile", type=float, default=_DEFAULT.activation_percentile,
                    help="percentile for --calibration percentile (default %(default)s)")
     p.add_argument("--no-htp-check", action="store_true", help="skip the HTP acceptance and simulator runs")
+    p.add_argument("--allow-parity-failure", action="store_true",
+                   help="keep the graphs although a proof failed (fidelity, HTP vs CPU; manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
     p.set_defaults(func=_cmd_calibrate)
 
@@ -51,9 +54,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise HycoError(str(e)) from None
     paths = {"convert": Path(args.convert), "qat": Path(args.qat), "vocab": Path(args.vocab),
              "answers": Path(args.answers)}
+    allow = args.allow_parity_failure
     manifest = run_stage("calibrate", Path(args.out), {"calibrate": to_dict(config)}, paths,
-                         lambda tmp: calibrate(**paths, out=tmp, config=config), force=args.force)
+                         lambda tmp: calibrate(**paths, out=tmp, config=config, allow_parity_failure=allow),
+                         force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
+    if manifest.get("proof_failed"):
+        print(f"WARNING: proof failed, artifacts kept (--allow-parity-failure) and manifest marked: "
+              f"{manifest['proof_failed']}", file=sys.stderr)
     figures = ", ".join(f"{g}: top-1 {v['top1']}, cpu_nodes {v['cpu_nodes']}" for g, v in s.items() if isinstance(v, dict))
     print(f"wrote {args.out}: tree.qdq.onnx, prefill.qdq.onnx, mtp_step.qdq.onnx, io_spec.json, encodings.json "
           f"({stage_state(manifest)}); {figures}")

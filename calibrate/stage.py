@@ -465,10 +465,10 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
 
 
 def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path, config: CalibrateConfig,
-              allow_proof_failure: bool = False) -> dict[str, Any]:
+              allow_parity_failure: bool = False) -> dict[str, Any]:
     """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
-    temp folder, so nothing moves into place) unless `allow_proof_failure`."""
+    temp folder, so nothing moves into place) unless `allow_parity_failure`."""
     from hyco.calibrate import evaluate
 
     start = time.perf_counter()
@@ -548,7 +548,7 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
     htp = "onnxruntime-qnn's HTP simulator: prefill.qdq.onnx's outputs vary between processes (same feeds)"
     declare_nondeterministic("report.json", htp, ignore_pointers=["/graphs/*/htp/simulator_vs_cpu"])
     declare_nondeterministic("summary.md", f"{htp}; prints this run's wall time and peak RSS")
-    if failed and not allow_proof_failure:
+    if failed and not allow_parity_failure:
         raise ProofFailed(f"calibrate: {failed}")
     return {g: {"top1": v["top1_agreement"], "kl": round(v["kl"], 6), "cpu_nodes": v["cpu_nodes"]}
             for g, v in per_graph.items()} | {"wall_s": report["wall_s"], "proof_failed": failed}
@@ -741,4 +741,4 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
-    return calibrate(**paths, out=out, config=recipe.calibrate, allow_proof_failure=recipe.allow_parity_failure)
+    return calibrate(**paths, out=out, config=recipe.calibrate, allow_parity_failure=recipe.allow_parity_failure)

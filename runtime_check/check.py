@@ -17,6 +17,7 @@ from hyco.runtime_check.metrics import summarize
 from hyco.runtime_check.report import write_report
 from tqdm import tqdm
 
+from hyco.answers import eos_ids_of
 from hyco.errors import HycoError
 from hyco.recipe import CheckConfig, DatasetConfig, to_dict
 from hyco.runtime.configs import DecodeConfig, decode_config
@@ -182,11 +183,6 @@ def compare_with_generate(logs: list[DecodeLog], reference: list[tuple[list[int]
             "equal": first is None, "first_divergence": first}
 
 
-def eos_ids_of(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-
 def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vocab_dir: Path | None,
               dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
               max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
@@ -245,7 +241,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
     count = prompts or config.prompts
     candidates = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
-    eos = eos_ids_of(verifier_model)
+    eos = set(eos_ids_of(verifier_model))
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
     # every candidate's reference text (the verifier alone, keyed sampling): the prompts are chosen
     # by its statistics, and exact verification must commit exactly it

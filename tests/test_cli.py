@@ -37,6 +37,16 @@ def test_subcommand_help_documents_every_option(command, capsys):
             assert action.option_strings[0] in text
 
 
+def test_every_stage_with_a_proof_takes_the_one_failure_flag():
+    """A stage whose proof can fail keeps its artifacts, marked, under one flag name everywhere."""
+    parser = build_parser()
+    choices = next(a for a in parser._actions if a.dest == "command").choices
+    for command in ("run", "convert", "qat", "calibrate", "export"):
+        flags = {o for a in choices[command]._actions for o in a.option_strings}
+        assert "--allow-parity-failure" in flags, command
+        assert not {f for f in flags if f.startswith("--allow-") and f != "--allow-parity-failure"}, command
+
+
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "hyco.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "run" in out.stdout

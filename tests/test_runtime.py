@@ -15,9 +15,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hyco.runtime_check.check import PhoneShapes, build_drafter, eos_ids_of
+from hyco.runtime_check.check import PhoneShapes, build_drafter
 from runtime_models import tiny_gemma4  # noqa: E402
 
+from hyco.answers import eos_ids_of
 from hyco.handoff import handoff_states, kv_wire_bytes  # noqa: E402
 from hyco.recipe import CheckConfig  # noqa: E402
 from hyco.runtime.configs import CONFIGS, decode_config  # noqa: E402
@@ -776,7 +777,7 @@ def assert_greedy_lossless(verifier, drafters, prompts, cfg, window, max_new=24)
     accepted = 0
     for prompt, drafter in zip(prompts, drafters, strict=True):
         log = decode(prompt, ReferenceVerifier(verifier, GREEDY, window=window), drafter, epsilon=cfg.epsilon,
-                     max_new_tokens=max_new, eos_ids=eos_ids_of(verifier), generator=torch.Generator().manual_seed(0))
+                     max_new_tokens=max_new, eos_ids=set(eos_ids_of(verifier)), generator=torch.Generator().manual_seed(0))
         expected = verifier.generate(torch.tensor([prompt]), do_sample=False,
                                      max_new_tokens=max_new)[0, len(prompt):].tolist()
         assert log.tokens == expected, cfg.name
