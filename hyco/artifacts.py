@@ -19,11 +19,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hyco.errors import HycoError
+from hyco.errors import HycoError, ProofFailed
 from hyco.launch import world_size
 
 MANIFEST = "manifest.json"
@@ -468,6 +469,43 @@ def manifest_matches(folder: Path, key: Mapping[str, str]) -> bool:
         if not p.is_file() or p.stat().st_size != meta["bytes"]:
             return False
     return True
+
+
+@dataclass
+class StageEnd:
+    """What a stage's build hands to `finish_stage`, the ending every stage shares. `report`:
+    report.json's content (`proof_failed`, the peak RSS and the toolchain are added);
+    `markdown(report)`: summary.md; `plots`: file name -> drawing function; `nondeterministic`:
+    (output, reason, JSON pointers or None) for `declare_nondeterministic`; `summary`: what the
+    manifest keeps; `proof_failed`: the failed proof in one phrase, or None; `failure_hint`:
+    appended to the ProofFailed message."""
+
+    report: dict[str, Any]
+    markdown: Callable[[dict[str, Any]], str]
+    summary: dict[str, Any]
+    proof_failed: str | None = None
+    plots: dict[str, Callable[[Path], None]] = field(default_factory=dict)
+    nondeterministic: list[tuple[str, str, list[str] | None]] = field(default_factory=list)
+    failure_hint: str = ""
+
+
+def finish_stage(name: str, out: Path, end: StageEnd, allow_parity_failure: bool) -> dict[str, Any]:
+    """Write report.json, the plots and summary.md into `out` and declare the stage's
+    nondeterministic outputs; then decide on the proof: a failed one stops the stage
+    (ProofFailed; `out` is run_stage's temp folder, so nothing moves into place) unless
+    `allow_parity_failure`, which keeps the artifacts and marks the manifest through the
+    returned summary's `proof_failed`. Returns the manifest's summary."""
+    report = {**end.report, "proof_failed": end.proof_failed, "peak_rss_mb": round(peak_rss_mb(), 1),
+              "toolchain": toolchain_versions()}
+    write_json(Path(out) / "report.json", report)
+    for file, draw in end.plots.items():
+        draw(Path(out) / file)
+    (Path(out) / "summary.md").write_text(end.markdown(report))
+    for file, reason, pointers in end.nondeterministic:
+        declare_nondeterministic(file, reason, ignore_pointers=pointers)
+    if end.proof_failed and not allow_parity_failure:
+        raise ProofFailed(f"{name}: {end.proof_failed}{end.failure_hint}")
+    return {**end.summary, "proof_failed": end.proof_failed}
 
 
 def run_stage(
