@@ -37,8 +37,8 @@ def cpu_session(path: Path, providers=("CPUExecutionProvider",)):
 
 class SpilledPasses:
     """A list of (feeds, outputs) kept on disk, one .npy pair per pass in `folder`, read back on
-    access. At E2B size a pass's feeds are 27-32 MB (rings, masks, per-layer rows) and its
-    logits 11-45 MB: the ~100 passes calibrate and its evaluation record held 4-6 GB in memory."""
+    access. At E2B size a pass's feeds (rings, masks, per-layer rows) and its logits are tens of
+    MB: the passes calibrate and its evaluation record held GBs in memory."""
 
     def __init__(self, folder: Path, count: int = 0):
         """`count`: passes already in `folder` (another process's, read back)."""
@@ -107,7 +107,7 @@ def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None =
     from hyco.runtime.slm_onnx import SlmOnnx
 
     # Given sessions, SlmOnnx opens none of its own: it used to open (and drop) both of convert's
-    # graphs with the arena on, ~20 s and a 2.4 GB transient per fidelity driver at E2B size.
+    # graphs with the arena on, slow and a GB-sized transient per fidelity driver at E2B size.
     open_session = (lambda name: None) if sessions else (lambda name: cpu_session(Path(convert_dir) / name))
     slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9, open_session=open_session)
     sessions = sessions or {"tree": slm.tree_session, "prefill": slm.prefill_session}

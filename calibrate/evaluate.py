@@ -29,8 +29,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def kl_rows(ref_logprobs: np.ndarray, q_logprobs: np.ndarray) -> np.ndarray:
     """KL(ref || q) per row. The QDQ graph's log-probs sit on a 16-bit grid whose floor clips the
-    deep tail, so their exponentials do not sum to 1 (the KL came out negative, -0.004 on the
-    MTP graph): q is renormalized first, to the distribution the quantized graph implies."""
+    deep tail, so their exponentials do not sum to 1 (the KL came out negative on the MTP
+    graph): q is renormalized first, to the distribution the quantized graph implies."""
     return (np.exp(ref_logprobs) * (ref_logprobs - log_softmax(q_logprobs))).sum(-1)
 
 
@@ -214,7 +214,7 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
     # Each graph's fidelity session also returns its layer outputs: SQNR runs the float driver's
-    # feeds through the same sessions (no second session per graph: ~40 s less at E2B size).
+    # feeds through the same sessions (no second session per graph, slow to open at E2B size).
     layers = {g: layer_outputs(onnx.load(str(convert / name), load_external_data=False)) for g, name in SLM_GRAPHS.items()}
     taps = {g: list(layers[g].values()) for g in SLM_GRAPHS}
 
@@ -223,7 +223,7 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
                                         f"{tag}_{g}", weights=folder) for g in SLM_GRAPHS}
 
     # The float driver builds the trees; the QDQ driver then walks the same trees (`lockstep`'s
-    # replay): two graphs' sessions open at a time, not four (~3 GB less at E2B size).
+    # replay): two graphs' sessions open at a time, not four (GBs less at E2B size).
     script: list = []
     picks, ref_taps, q_taps = {}, {}, {}
     with phase("fidelity: float SLM passes"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TARGET = 1e-4  # the bound on softmax weight over masked slots, per row
+TARGET = 1e-4  # the required bound on softmax weight over masked slots, per row
 
 
 def _logsumexp(x: np.ndarray, where: np.ndarray) -> np.ndarray:

@@ -463,7 +463,7 @@ def prepare_mtp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tupl
 
 # --- weights on disk ------------------------------------------------------------------------
 # At E2B size a graph's weights are 1 GB; a pass that only re-wires nodes must not hold them (each
-# `_copy` of a loaded model is another GB: preparing a graph peaked at 6 GB that way). So graphs
+# `_copy` of a loaded model is another GB: preparing a graph held several that way). So graphs
 # are read with their integer weights left on disk, passes that need a weight's values read that
 # one weight, and saving streams each weight's bytes into the new file one tensor at a time.
 

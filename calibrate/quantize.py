@@ -3,7 +3,7 @@
 Why onnxruntime's `get_qnn_qdq_config` + `quantize` and not aimet-onnx's
 `QuantizationSimModel.from_onnx_qdq`: both keep the prepared graph's INT4/INT8 weights
 bit-exact (platform notes), but onnxruntime's tool is already a dependency (no second
-onnxruntime-coupled stack, no ~15 s import), takes explicit per-tensor scale/zero-point
+onnxruntime-coupled stack, no slow import), takes explicit per-tensor scale/zero-point
 overrides (the MTP inputs' p99.99 ranges, the KV's 1.2 x p99.9, the mask's exact grid), spreads
 an 8-bit override through Concat to the new K/V outputs by itself, keeps the SRQ encodings
 aimet-onnx drops in front of o_proj, and writes graphs that pass `onnx.checker` full_check.
@@ -146,7 +146,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     gc.collect()  # the quantizer's model copies sit in reference cycles: free them before the next graph
     # The rewrite adds only nodes and scalar initializers: the graph is read and written without
     # its weights, which stay where the quantizer wrote them (reading them back, copying the model
-    # and saving it again held three more copies: 12.9 GB at E2B size).
+    # and saving it again held three more copies, GBs at E2B size).
     model = onnx.load(str(out), load_external_data=False)
     model = matmul_second_input_uint8(concat_holds_its_inputs(neg_mirrors_its_input(model)))
     onnx.save_model(model, str(out))
@@ -441,7 +441,7 @@ def _same_packed_int4(a: onnx.TensorProto, a_axis: int, b: onnx.TensorProto, b_a
     bytes (every nibble a value when both dims are even: equal bytes are equal integers), the
     one transposed first where their layouts differ (convert's [N, K] vs the deployable [K, N]);
     None where that does not apply. Unpacking both E2B graphs' 2 G weights to int8 and comparing
-    transposed views took ~16 s per graph."""
+    transposed views is much slower."""
     from hyco.int4 import transpose_int4
 
     if a.data_type != TensorProto.INT4 or b.data_type != TensorProto.INT4 or len(a.dims) != 2 or len(b.dims) != 2:

@@ -15,7 +15,7 @@ reserved eval prompts (CPU EP; also each graph's top-k log-prob error, the HTP b
 acceptance and simulator-vs-CPU within that bound, each graph in its own process (htp.py).
 Prepare and mask statistics run for tree and prefill side by side, a worker process each
 (hyco/workers.py: their graph rewriting is single-threaded Python); quantizing runs one graph at
-a time (two side by side peaked at 7.3 GB at E2B size).
+a time (two side by side doubled the peak at E2B size).
 """
 
 from __future__ import annotations
@@ -249,8 +249,8 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
 def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
                   phase: Phases, weight_bits: dict[str, int]) -> dict[str, Any]:
     """Record convert's graphs; prepare and measure tree and prefill side by side, a worker
-    process each (their graph rewriting is single-threaded Python: 68 -> 56 s at E2B size); then
-    quantize each and write its deployable graph (`deployable`), one graph at a time."""
+    process each (their graph rewriting is single-threaded Python); then quantize each and
+    write its deployable graph (`deployable`), one graph at a time."""
     from hyco.calibrate.masks import MaskStats, choose_mask
 
     from hyco.workers import in_processes
@@ -262,8 +262,8 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
                          spill=tmp / "recorded")[0]
         recorded = {g: (s.passes.folder, len(s.passes)) for g, s in (("tree", slm.tree_session),
                                                                     ("prefill", slm.prefill_session))}
-        del slm  # its two float sessions hold both graphs' weights (issue 13: one graph in memory at a time)
-        gc.collect()  # the driver's hook on its own _run is a reference cycle: 2.4 GB until a collection
+        del slm  # its two float sessions hold both graphs' weights (one graph in memory at a time)
+        gc.collect()  # the driver's hook on its own _run is a reference cycle: GBs until a collection
     result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}
     with phase("tree + prefill: prepare, mask statistics (a process each)"):
         measured = dict(zip(SLM_GRAPHS, in_processes(
@@ -278,7 +278,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     mask = choose_mask(both, floor=config.mask_floor, headroom=config.mask_headroom)
     result["mask"] = mask
     done = {}
-    for g in SLM_GRAPHS:  # one at a time: two side by side peaked at 7,295 MiB at E2B size (~3 GB each)
+    for g in SLM_GRAPHS:  # one at a time: each takes GBs at E2B size
         with phase(f"{g}: quantize, deployable graph, bit-exact proof, encodings"):
             done[g] = quantize_and_deploy(convert, g, tmp, out, *recorded[g], measured[g]["ranges"],
                                           mask["mask_negative"], config, inputs["convert_specs"][SLM_GRAPHS[g]],
@@ -486,8 +486,8 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
     from hyco.int4_matmul import shared_repacks
 
     # convert's two graphs are read by the recording and again by the fidelity run: their INT4
-    # weights are repacked for MatMulNBits once (~3 s per session at E2B size), and kept (2 GB of
-    # temp disk) until the stage ends; the other graphs are read once
+    # weights are repacked for MatMulNBits once (seconds per session at E2B size), and kept (GBs
+    # of temp disk) until the stage ends; the other graphs are read once
     with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks(convert):
         tmp = Path(tmp)
         weight_bits = convert_weight_bits(convert)

@@ -90,9 +90,9 @@ def shape_inference_without(names: set[str]):
 
     The exporter hands every parameter's value to ONNX shape inference, which serializes it into
     a proto: the int stand-ins (zero-stride, one byte each) were expanded to contiguous int8 and
-    copied again, 2x the int8 size of each linear at once (+0.8 GB for a 262,144-row output
-    layer; measured with VmHWM). Without the values the inputs keep their traced type and shape,
-    which is all a DequantizeLinear needs: the exported graph is byte-identical."""
+    copied again, 2x the int8 size of each linear at once (GBs for a 262,144-row output layer).
+    Without the values the inputs keep their traced type and shape, which is all a
+    DequantizeLinear needs: the exported graph is byte-identical."""
     from torch import _C
 
     infer = _C._jit_pass_onnx_graph_shape_type_inference

@@ -139,7 +139,7 @@ def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict
         int4 = ints_t.data_type == onnx.TensorProto.INT4
         graph = initializer_bytes(ints_t, out) if int4 else initializer_array(ints_t, out)
         ints_equal = len(shape) == 2 and len(ck_rows) == shape[0]
-        # Row blocks of ~16 M values: the unpacking transients of a 86K-row head stay ~100 MB.
+        # Row blocks of ~16 M values: the unpacking transients of a 86K-row head stay small.
         # INT4 rows of an odd width do not start on a byte: compare those whole.
         step = shape[0] if int4 and shape[1] % 2 else max(1, (16 << 20) // max(1, shape[1]))
         for r0 in range(0, shape[0] if ints_equal else 0, step):
@@ -168,7 +168,7 @@ def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict
 def same_weights(out: Path, graph: str, proven: str, enc: dict[str, Any], proven_rows: dict[str, Any]) -> dict[str, Any]:
     """Per linear: `graph`'s ints and scales compared byte for byte with those of `proven`, whose
     rows `bitexact` proved against the checkpoint (the prefill graph holds the tree graph's
-    weights: unpacking both against the checkpoint took 19 s at E2B size, this ~1 s). A row is
+    weights: unpacking both against the checkpoint is many times slower at E2B size). A row is
     bit-exact only where both hold."""
     import onnx
 
@@ -266,7 +266,7 @@ def run_parity(ckpt, keep_ids, out: Path, ring_graphs: Path | None, rope,
     take_quantized_here(model, ckpt, enc)
     keep = np.arange(text.config.vocab_size) if keep_ids is None else keep_ids
     # The reference runs are short sequences: one thread avoids spin-waiting on a busy CPU
-    # (a tiny forward took 1.8 s with 2 contended threads, 55 ms with one).
+    # (two contended threads made a tiny forward many times slower than one).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -309,10 +309,9 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     a time from the packed bytes; bitexact reads both sides through memory maps in row blocks.
     The transients on top: the trace's float activations (prefill rows x head rows), finalize's
     largest initializer twice (its INT4 bytes and the proto's copy), bitexact's 16 M-value blocks.
-    Measured: 4 E2B-width layers, 65,536 rows, 190 MiB packed: 1.5x the packed bytes above the
-    imports (tests/test_convert_memory.py; 3.3x if the linears were also held as int8). Full E2B
-    shapes (1.66 GB packed, 86,089-row head, bench/bench_fullsize.py): 1,714 MiB peak RSS, 96 s
-    on the 2-core machine at load ~2.5-5 (1,903 MiB and 188 s before the shape-inference fix)."""
+    tests/test_convert_memory.py holds the peak above the imports within 2x the packed bytes
+    (holding the linears as int8 as well would break it); bench/bench_fullsize.py measures full
+    E2B shapes."""
     import torch
     from hyco.convert.load import completeness, kv_cache_scales, load_model, read_checkpoint, text_config
     from hyco.convert.luts import write_luts

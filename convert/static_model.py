@@ -38,7 +38,7 @@ class _IntMatMul(torch.autograd.Function):
     Only used while the ONNX exporter traces: the op is recorded (its symbolic) and the numbers
     are never used, so the forward returns zeros of the output's shape and no float weight is
     ever made. (A traced F.linear on a zero-stride stand-in weight copied it to a contiguous
-    float weight, linear by linear: 529 MB for an 86,089-row E2B output layer.)"""
+    float weight, linear by linear: the largest is the 86,089-row E2B output layer's.)"""
 
     @staticmethod
     def forward(ctx, x, ints, scale):
@@ -125,7 +125,7 @@ class IntLinear(nn.Module):
 
 class RMSNorm(nn.Module):
     """Gemma4RMSNorm decomposed for the HTP with 16-bit activations: x*x (no Pow), ReduceMean,
-    Add, Sqrt, Reciprocal, Mul (Reciprocal(Sqrt) is ~10x closer to the CPU than Div)."""
+    Add, Sqrt, Reciprocal, Mul (Reciprocal(Sqrt) is much closer to the CPU than Div)."""
 
     def __init__(self, weight: torch.Tensor | None, eps: float):
         super().__init__()
@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
 
 
 def gelu_tanh(x):
-    """gelu_pytorch_tanh written out with Tanh (~8x closer on the HTP than the Gelu op)."""
+    """gelu_pytorch_tanh written out with Tanh (much closer on the HTP than the Gelu op)."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
 
 

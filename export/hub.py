@@ -115,7 +115,7 @@ def _finished(job, what: str, model: Path) -> None:
 @contextlib.contextmanager
 def _temp_files_in(folder: Path) -> Iterator[None]:
     """qai-hub's upload writes a NamedTemporaryFile(delete=False) and a zip of the model folder
-    into the system temp folder and leaves both there (12 entries per test run of the replay
+    into the system temp folder and leaves both there (more with every run of the replay
     tests): they go into `folder`, removed with it."""
     before = tempfile.tempdir
     tempfile.tempdir = str(folder)

@@ -143,9 +143,9 @@ def declare_binaries(graphs: dict[str, Any], qnn_sdk: str) -> None:
     """A QNN context binary's bytes depend on the QNN sessions the process created before it: two
     fresh processes that compile the same graphs in the same order write identical binaries, but
     a second compile in one process, or one after calibrate's HTP sessions (an uninterrupted `run`,
-    unlike a rerun that skips calibrate), differs (measured on the tiny family: 3,082 of 376,832
-    bytes of mtp_step's; same size, same graph I/O read back). The EPContext wrappers are
-    reproducible; so is every other byte of bundle.json but the binaries' hashes."""
+    unlike a rerun that skips calibrate), differs (in a small share of its bytes; same size, same
+    graph I/O read back). The EPContext wrappers are reproducible; so is every other byte of
+    bundle.json but the binaries' hashes."""
     from hyco.bundle import BUNDLE_JSON
 
     binaries = sorted({p["binary"] for g in graphs.values() for p in g["parts"]})
@@ -190,8 +190,8 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     from hyco.qnn import settle_soc, soc_info
 
     start = time.perf_counter()
-    # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next (full
-    # size: 6,640 MiB peak with it, 7,545 MiB without; the two SLM compiles 396 s instead of 383 s)
+    # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next (at
+    # full size a lower peak for slightly slower compiles)
     return_large_blocks()
     chip, arch = soc_info(config.soc_model, config.htp_arch)
     settled = settle_soc(chip)

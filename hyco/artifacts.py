@@ -51,8 +51,8 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 def file_digests(paths: list[Path]) -> list[str]:
     """sha256 of each of `paths`, for the tables a stage writes of its own outputs (manifest.json,
     export's bundle.json). A file this process already hashed and that is unchanged since (same
-    inode, size and mtime), or a hard link of one, is not read again: export listed its 5.5 GB
-    bundle twice at full size. The rest are hashed side by side, a thread per core (hashlib
+    inode, size and mtime), or a hard link of one, is not read again: export listed its bundle
+    (GBs at full size) twice. The rest are hashed side by side, a thread per core (hashlib
     releases the GIL while it hashes). Checks of integrity (`hyco.bundle.verify_bundle`) read
     every byte with `sha256_file` instead."""
     from concurrent.futures import ThreadPoolExecutor
@@ -102,9 +102,9 @@ def peak_rss_mb() -> float:
 
     Reads VmHWM, the high-water mark of this process's own address space. Not ru_maxrss: Linux
     carries that across fork and exec, and Python's subprocess starts children with vfork, so a
-    child of a 2 GiB pytest reports 2 GiB before it has done anything (CI, stop 15). VmHWM is
+    child of a big pytest process reports the parent's peak before it has done anything. VmHWM is
     max(the kernel's high-water mark, the RSS now), and the kernel updates its mark lazily, so a
-    later read can be lower than an earlier one (784.8 then 784.7 MiB, a tiny calibrate's phases):
+    later read can be lower than an earlier one (by a fraction of a MiB between phases):
     the highest figure read so far is returned.
     """
     global _highest_rss_mb
@@ -384,8 +384,8 @@ def _measured_keys(obj: Any, prefix: str = "") -> list[str]:
 
 def _may_hold_measured(raw: bytes) -> bool:
     """False when no key of the JSON text `raw` can match _MEASURED_KEY (each ends in `_s`, `_mb`
-    or holds `s_per_`): parsing calibrate's 112 MB encodings.json to find none took 3.7 s, these
-    scans 0.2 s."""
+    or holds `s_per_`): parsing calibrate's large encodings.json to find none is many times
+    slower than these scans."""
     return any(raw.find(needle) >= 0 for needle in (b'_s"', b'_mb"', b"s_per_"))
 
 

@@ -1,5 +1,5 @@
-"""glibc heap settings shared by the stages that allocate and free GB-sized transients (issue 13:
-freed memory that stays in the heap still counts in RSS)."""
+"""glibc heap settings shared by the stages that allocate and free GB-sized transients (freed
+memory that stays in the heap still counts in RSS)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def _libc():
 def return_large_blocks() -> None:
     """glibc: serve blocks >= 1 MiB by mmap (returned to the system when freed). Its default
     threshold grows up to 32 MiB as large blocks are freed, and freed activations, weights and
-    sessions then stay in the heap, counted in RSS (bench/bench_convert.py: ~300 MiB of free heap
-    at 6 layers). Process-wide and harmless to later stages (more page faults)."""
+    sessions then stay in the heap, counted in RSS (bench/bench_convert.py measures it).
+    Process-wide and harmless to later stages (more page faults)."""
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD

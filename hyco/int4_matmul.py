@@ -1,7 +1,7 @@
 """CPU sessions: each INT4 weight's DequantizeLinear -> MatMul as one MatMulNBits.
 
 onnxruntime's CPU DequantizeLinear is a scalar loop: on the 35-layer E2B-shaped tree.onnx
-(2.0 G INT4 weights) it took 2.9 s of a 4.2 s pass, the MatMuls 1.2 s, and every tool that runs
+(2.0 G INT4 weights) it took most of a pass, more than the MatMuls, and every tool that runs
 these graphs on the CPU (convert's parity, calibrate's recording, calibration, fidelity, the
 runtime check) paid it on every pass. onnxruntime's own MatMulNBits (com.microsoft) multiplies
 straight from packed 4-bit weights, dequantizing a tile at a time in cache, multithreaded.
@@ -11,14 +11,14 @@ by default), so a two's-complement nibble v is stored as v + 8, which is v's nib
 [N, K] weight's packed bytes XOR 0x88 are MatMulNBits' B as they stand. Its scales are per block
 of K; the per-channel scale is repeated over each row's blocks. Not bit-identical to DQ -> MatMul:
 accuracy_level 0 computes in fp32 as MLAS's SGEMM does, but in another summation order, so the
-outputs differ in the last bits (relative 1.5e-6 at K = 1,536; tests/test_int4_matmul.py holds
-sessions to each other at a stated bound). INT8 weights keep DequantizeLinear (1% of E2B's weight;
-MatMulNBits' 8-bit path is slower than DequantizeLinear -> Gemm here).
+outputs differ in the last bits (tests/test_int4_matmul.py holds sessions to each other at a
+stated bound). INT8 weights keep DequantizeLinear (1% of E2B's weight; MatMulNBits' 8-bit path
+is slower than DequantizeLinear -> Gemm here).
 
 For CPU sessions only (`hyco.ort.session_for`): the graphs on disk and the deployed
 ones keep DequantizeLinear -> MatMul, which is what the HTP's QDQ matcher reads.
 
-Repacking costs ~3 s per E2B-sized session (repack 1.9 s, writing the 1 GB folder 1.2 s), and
+Repacking costs seconds per E2B-sized session (the repack, then writing the GB-sized folder), and
 calibrate reads convert's graphs twice (recording, then fidelity): inside
 `shared_repacks(convert)` their sessions read one folder in which each source tensor was repacked
 (or copied) and written once.
@@ -118,7 +118,7 @@ def matmul_nbits_weight(raw: bytes, shape: tuple[int, int], transposed: bool) ->
         packed = np.frombuffer(transpose_int4(raw, (k, n)) if transposed else raw, np.uint8)
         return (packed ^ np.uint8(0x88)).reshape(n, blocks, size // 2)
     # odd N or a K off the block grid: through one uint8 per nibble (offset-8 by the same XOR;
-    # 0.5-2.4 s for the keep-set output layer, 86,089 x 1,536, where int8 via int16 took 4.1 s)
+    # faster than int8 via int16 for the keep-set output layer, 86,089 x 1,536)
     packed = np.frombuffer(raw, np.uint8)
     nibbles = np.empty(2 * packed.size, np.uint8)
     nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4

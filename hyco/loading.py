@@ -482,7 +482,7 @@ def load_pretrained(folder: str | Path, what: str, *, cls=None, float_checkpoint
 
 def all_finite(tensor, block: int = 1 << 22) -> bool:
     """torch.isfinite(tensor).all(), a block of elements at a time: on a whole tensor isfinite's
-    temporaries are ~1.5x the tensor (4.4 GB over the 2,816-wide verifier's fp32 table)."""
+    temporaries outgrow the tensor itself (GBs over the 2,816-wide verifier's fp32 table)."""
     import torch
 
     with torch.no_grad():
@@ -500,8 +500,8 @@ def _narrow_float_dtype(tensors: dict[str, tuple[str, tuple[int, ...], Path]]):
 
 def upcast_to_float32(model) -> None:
     """A model loaded at its checkpoint's BF16/F16 -> the model `from_pretrained(dtype=float32)`
-    gives, at 1x the fp32 weights instead of ~2.7x (the 2,816-wide verifier stand-in: 5.6 GB
-    peak instead of 11+; issue 13). Parameters are widened one at a time (exact: BF16 and F16
+    gives, holding the fp32 weights once instead of several copies of them (for the 2,816-wide
+    verifier stand-in, half the peak). Parameters are widened one at a time (exact: BF16 and F16
     are subsets of fp32). Buffers the model computes at init (embed_scale = sqrt(hidden), rotary
     frequencies; non-persistent) were computed at the narrow dtype (53.066 -> 53.0 in BF16), so
     they are taken from an fp32 skeleton whose parameters stay on the meta device; persistent

@@ -17,14 +17,14 @@ from hyco.workers import cpu_threads
 
 def late_weight_dequant(model) -> int:
     """Make each weight DequantizeLinear wait for its MatMul's activation (in place; returns how
-    many). onnxruntime's CPU EP starts every node whose inputs are all initializers first: all the
-    graph's weights were dequantized to fp32 before the first MatMul (25 of 34 weight DQs, 1.06
-    of 1.32 GB on a 4-layer E2B-wide tree.onnx; 9.5 GiB on the 35-layer one), so each pass held
-    the whole model in fp32. Here the DQ's scale goes through Reshape(scale, Concat(Shape(act)[0:0],
-    shape(scale))): the same values, but a data dependency on the activation, so the fp32 weight
-    is made just before its MatMul and freed after it. Outputs are bit-identical (same kernels on
-    the same values; tests/test_convert.py). For CPU sessions only: the deployed graphs keep
-    their plain DQ -> MatMul, which is what the HTP's QDQ matcher expects."""
+    many). onnxruntime's CPU EP starts every node whose inputs are all initializers first: the
+    graph's weights were dequantized to fp32 before the first MatMul, so each pass held the whole
+    model in fp32 (GBs at E2B size). Here the DQ's scale goes through Reshape(scale,
+    Concat(Shape(act)[0:0], shape(scale))): the same values, but a data dependency on the
+    activation, so the fp32 weight is made just before its MatMul and freed after it. Outputs are
+    bit-identical (same kernels on the same values; tests/test_convert.py). For CPU sessions only:
+    the deployed graphs keep their plain DQ -> MatMul, which is what the HTP's QDQ matcher
+    expects."""
     from onnx import TensorProto, helper
 
     graph = model.graph
@@ -114,11 +114,11 @@ SHAPE_KEEPING = frozenset({"QuantizeLinear", "DequantizeLinear", "Cast", "Round"
 def gemm_for_transposed_weights(model) -> int:
     """Replace each Transpose([1, 0]) -> MatMul(x, .) on a dequantized weight by
     Reshape -> Gemm(x2d, W, transB=1) -> Reshape (in place; returns how many). The Transpose
-    made a second fp32 copy of every weight each pass: 40% of a CPU pass and the peak's second
-    copy (4-layer E2B-wide tree.onnx: 2.2 -> 1.2 s/pass, 1.9 -> 1.4 GB). MLAS packs B the same
-    way for both, so the outputs are bit-identical, except in its M == 1 special case (a GEMV
-    kernel for a non-transposed B): only MatMuls whose activation has a static row count > 1 are
-    rewritten (convert's graphs: 33 or the prefill chunk)."""
+    made a second fp32 copy of every weight each pass: a large share of a CPU pass's time and
+    the peak's second copy. MLAS packs B the same way for both, so the outputs are bit-identical,
+    except in its M == 1 special case (a GEMV kernel for a non-transposed B): only MatMuls whose
+    activation has a static row count > 1 are rewritten (convert's graphs: 33 or the prefill
+    chunk)."""
     from onnx import TensorProto, helper, shape_inference
 
     graph = model.graph
@@ -176,16 +176,15 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     """`ort_session` on a weightless in-memory `model` whose external data lies in
     `weights_folder` (rewritten in place). INT4 weights are multiplied packed by onnxruntime's
     MatMulNBits (`convert.int4_matmul`: the same integers and scales, fp32 compute in another
-    summation order; 4.2 -> 1.0 s per E2B-shaped tree pass); the other weights are dequantized
-    just before use and multiplied untransposed (`late_weight_dequant`,
+    summation order; several times faster on an E2B-shaped tree pass); the other weights are
+    dequantized just before use and multiplied untransposed (`late_weight_dequant`,
     `gemm_for_transposed_weights`: same outputs, one fp32 weight at a time); the graph is handed
     over as bytes (`int4_matmul` False: every weight so, for tests that hold a session to
     onnxruntime's own bit for bit). `priority_order`: onnxruntime's
     priority-based node order instead of its default one, which runs side branches that end in a
     graph output (the calibrator's ReduceMin/ReduceMax taps) at the end of the pass, so every
-    tapped activation lived until then: a 4-layer E2B-wide prefill calibration pass peaked at
-    1.60-1.90 GB, 1.10-1.18 GB in priority order (1.04-1.12 GB for the graph without taps). Same
-    kernels on the same inputs: the same outputs."""
+    tapped activation lived until then: in priority order a calibration pass peaks close to the
+    graph without taps. Same kernels on the same inputs: the same outputs."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()

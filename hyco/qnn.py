@@ -155,10 +155,10 @@ class Compiled:
 
 def prepare_options(optimization_level: int) -> dict[str, str]:
     """QNN EP options of an offline compile. `optimization_level`: the HTP graph finalization's
-    (0: QNN's default; 1 compiles faster into a less optimized graph, 3 is the slowest). The E2B-
-    shaped tree graph on this 2-core box: level 1 53 s (1,032.7 MB binary), level 2 145 s and
-    the default 146 s (both 1,038.3 MB), measured back to back. What level 1 costs on the phone is
-    not measured here (no device): the default is what ships."""
+    (0: QNN's default; 1 compiles faster into a less optimized graph, 3 is the slowest). On the
+    E2B-shaped tree graph level 1 compiles much faster than the default into a binary of about the
+    same size; level 2 is no faster than the default. What level 1 costs on the phone is not
+    measured here (no device): the default is what ships."""
     if optimization_level not in HTP_OPTIMIZATION_LEVELS:
         raise HycoError(f"export.htp_optimization_level must be one of {HTP_OPTIMIZATION_LEVELS}, but got "
                         f"{optimization_level}")
@@ -202,10 +202,9 @@ def compile_context(graph: Path, out_dir: Path, name: str, soc_model: int, optim
 
 def compile_isolated(graph: Path, out_dir: Path, name: str, *, soc_model: int, optimization_level: int = 0) -> Compiled:
     """`compile_context` in a fresh process (`hyco.workers`). The QNN compiler keeps memory after
-    its session is gone (E2B-shaped tree, 1 GB of weights: 2,432 MiB still resident after its
-    compile); each compile's memory now goes with its process (measured: the tree's compile
-    5,481 MiB, the prefill's 5,724 MiB, each with this process's ~50 MiB). Its peak, plus this
-    process's RSS, counts in this process's peak figure; errors come back as raised in the child."""
+    its session is gone (E2B-shaped tree: GBs still resident after its compile); each compile's
+    memory goes with its process. Its peak, plus this process's RSS, counts in this process's
+    peak figure; errors come back as raised in the child."""
     from hyco.workers import in_processes
 
     return in_processes(compile_context, [(graph, out_dir, name, soc_model, optimization_level)],

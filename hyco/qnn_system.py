@@ -157,7 +157,7 @@ def binary_info(path: Path) -> dict[str, Any]:
         raise HycoError(f"{path}: context binary not found")
     # Mapped, not read: a binary is ~1 GB at E2B size, and the bytes + ctypes-buffer copies it
     # was read through stayed alive in a reference cycle (ctypes.cast) until the next gc: export
-    # held 1 GB through the next graph's compile.
+    # held a whole binary through the next graph's compile.
     data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
     iface = _interface()
     handle = C.c_void_p()

@@ -203,7 +203,7 @@ class QatConfig:
     activation_bits: Literal[16] = 16
     clip_ratio_max: float = 1.0
     clip_ratio_min: float = 0.6
-    bf16_autocast: bool = False  # GPUs only: this CPU runs bf16 ~5x slower than fp32
+    bf16_autocast: bool = False  # GPUs only: this CPU runs bf16 much slower than fp32
     capture_point: Literal["after_norm", "before_norm"] = "after_norm"  # transformers' reference
     window: int = 1_024
     input_percentile: float = 99.99
@@ -246,7 +246,7 @@ class ExportConfig:
     # htp_logprob_bound: the per-op tolerance carried through the graph, calibrate/evaluate.py)
     logprob_tolerance: float | None = None
     isolate: bool = True  # smoke/check: each HTP context in its own worker process (results leak between sessions)
-    # HTP graph finalization: 0 = QNN's default (what ships); 1 compiles ~3x faster into a less
+    # HTP graph finalization: 0 = QNN's default (what ships); 1 compiles much faster into a less
     # optimized graph (development builds; its cost on the phone is unmeasured), 3 is the slowest
     htp_optimization_level: int = 0
 

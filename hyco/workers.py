@@ -24,7 +24,7 @@ def cpu_threads() -> int:
     """Intra-op threads for the CPU sessions this process opens (`hyco.ort.session_for`):
     0 (onnxruntime's default, one per core) outside workers; in a worker its share of the cores,
     so that workers side by side do not oversubscribe them (two workers with two spinning threads
-    each on 2 cores: +30% CPU seconds in calibrate's prepare phase, measured)."""
+    each on 2 cores spent more CPU seconds in calibrate's prepare phase for nothing)."""
     return _threads
 
 
@@ -50,8 +50,8 @@ def in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], what: str) -> li
 
 def _worker_init(threads: int) -> None:
     """glibc's 1 MiB mmap threshold, as the stages' own processes have (the tree's compile in a
-    process without it peaked at 6,446 MiB, 5,441 MiB with it), the worker's share of the cores,
-    and death with the parent."""
+    process without it peaked higher), the worker's share of the cores, and death with the
+    parent."""
     import ctypes
     import signal
 

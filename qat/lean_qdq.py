@@ -1,8 +1,8 @@
-"""AIMET's weight fake-quantization, its backward done a block of rows at a time (issue 13).
+"""AIMET's weight fake-quantization, its backward done a block of rows at a time.
 
 With trainable weight encodings, AIMET's `QuantDequantFunc.backward` builds five weight-sized
 temporaries at once (the scaled, rounded and rounding-error tensors, the scale gradient's
-`where` and product): 1.87 GB over the output layer's 352 MB (86,089 keep rows x 1,024, fp32),
+`where` and product): several times the output layer's size (86,089 keep rows x 1,024, fp32),
 the QAT's memory peak at the 26B-A4B assistant's size. `lean_weight_qdq` keeps AIMET's own
 function and math but runs its backward over blocks of rows, recomputing each block's forward:
 the temporaries shrink to one block's. Per-row scales make the blocks independent, so the
@@ -78,10 +78,10 @@ def lean_weight_qdq(block_elements: int = BLOCK_ELEMENTS) -> Iterator[None]:
 def weights_quantized_once(model: torch.nn.Module) -> Iterator[None]:
     """Inside the block, each AIMET-quantized module fake-quantizes its parameters once, on entry,
     and every forward reuses them, where AIMET's `_patch_quantized_parameters` quantizes them
-    again on every call: at full size 1,426 `fake_quantize_per_channel_affine` calls took 47.6 s
-    of a 197 s qat stage (cProfile), mostly re-quantizing unchanged weights in the agreement
-    evaluations and the graph parity. Only for blocks that change neither weights nor weight
-    encodings (no training step, no clip search): the same tensors, so the same outputs."""
+    again on every call: at full size those calls were a large share of the qat stage's time,
+    mostly re-quantizing unchanged weights in the agreement evaluations and the graph parity. Only
+    for blocks that change neither weights nor weight encodings (no training step, no clip search):
+    the same tensors, so the same outputs."""
     from aimet_torch.nn.base import BaseQuantizationMixin
     from aimet_torch.utils import patch_attr
 

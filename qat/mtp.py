@@ -56,7 +56,7 @@ def output_table_on_disk(head: nn.Module, folder: Path) -> Iterator[None]:
     """The head's full-vocabulary tables (its output layer and the embedding tied to it) moved to
     `folder` for the block, then read back. Between the teacher's keep-set copy and graph parity's
     transformers reference nothing reads them (students copy the teacher's rows): at the 26B-A4B
-    assistant's size, 262,144 x 1,024 fp32 = 1.07 GB off the QAT's peak. The Parameters stay
+    assistant's size, 262,144 x 1,024 fp32 off the QAT's peak. The Parameters stay
     (ties and module structure unchanged); only their storage goes."""
     layers = [m for m in (head.lm_head, getattr(head.model, "embed_tokens", None)) if m is not None]
     params = list({id(p): p for m in layers for p in m.parameters()}.values())

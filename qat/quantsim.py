@@ -41,7 +41,7 @@ def make_student(head: nn.Module, keep_ids: torch.Tensor | None, example_inputs:
     # One copy of the head's weights, not three: the text model's own embedding table is never
     # used (the inputs are embeddings; no encoding for a table that does not exist on the phone)
     # and the full-vocabulary output layer is only read for its keep-set rows, so neither is
-    # copied (262,144 x 1,024 fp32 = 1.07 GB each at the 26B-A4B assistant's size), and
+    # copied (262,144 x 1,024 fp32 each at the 26B-A4B assistant's size), and
     # QuantSim wraps this private copy in place instead of deep-copying it again.
     embed, lm_head = head.model.embed_tokens, head.lm_head
     memo = {id(lm_head): lm_head}  # shared (read only): restricted_lm_head copies the kept rows
@@ -78,7 +78,7 @@ def best_clip_scales(weight: torch.Tensor, qmin: int, qmax: int, ratio_max: floa
     best_scale = amax / qmax
     best_ratio = torch.ones(w.shape[0])
     work = torch.empty_like(w)  # the same ops in place: one buffer, not six per ratio (the output
-    for r in torch.linspace(ratio_max, ratio_min, steps).tolist():  # layer's is 352 MB at full size)
+    for r in torch.linspace(ratio_max, ratio_min, steps).tolist():  # layer's is the largest at full size)
         scale = amax * r / qmax
         err = torch.div(w, scale, out=work).round_().clamp_(qmin, qmax).mul_(scale).sub_(w).square_().sum(dim=1)
         better = err < best_err

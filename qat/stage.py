@@ -173,11 +173,11 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
     kv_shapes = {layer: (k.shape[0], k.shape[-1]) for layer, (k, _) in train[0].kv.items()}
     # The verifier's work is done (answers, captures, LUT): free it before the head and its
-    # students load, so the two models' weights are never in memory together (issue 13: the
-    # shallow 2,816-wide stand-in is 4.3 GB in fp32, its tied 262,144-row table 2.95 GB of it).
+    # students load, so the two models' weights are never in memory together (the shallow
+    # 2,816-wide stand-in is GBs in fp32, most of it its tied 262,144-row table).
     del ver
-    release_free_heap()  # not calibrate's 1 MiB mmap threshold: the full-size run with it took
-    # 10.9 s per training step (6.9 s without) at a 7.4 GiB peak (7.9 without)
+    release_free_heap()  # not calibrate's 1 MiB mmap threshold: at full size it made every
+    # training step much slower for a small saving in peak memory
     with phase("free verifier, load head"):
         head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
 
@@ -195,7 +195,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         return sim
 
     # The head's 262,144-row tables wait on disk until graph parity's transformers reference
-    # needs them (1.07 GB off the peak): the students copy the teacher's keep-set rows, the step
+    # needs them (off the peak): the students copy the teacher's keep-set rows, the step
     # graphs are written from the teacher's weights (float) and the student's (INT4).
     table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
     with output_table_on_disk(head, table_folder):
@@ -229,7 +229,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         # tables stay on disk through the ONNX export and the quantized graph's parity)
         with phase("drafter graphs"):
             drafter = write_drafter(out, head, sim, keep, spec, ranges, config)
-        teacher = None  # its keep-set output layer (352 MB at full size) is done with
+        teacher = None  # its keep-set output layer (the largest tensor at full size) is done with
         # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
         # between the graph and the full student is the 16-bit grid, not range clipping.
         with phase("graph parity: quantized"):
@@ -276,7 +276,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
 def write_float_step(out: Path, head, teacher, keep, kv_shapes, config: QatConfig):
     """mtp_step.float.onnx, the unquantized head's drafting step (restricted output layer);
     returns its io spec. Written from the frozen teacher before any student exists: the ONNX
-    export holds ~2.7x the step's 0.8 GB of fp32 weights (26B-A4B assistant's size), which after
+    export holds several times the step's fp32 weights (26B-A4B assistant's size), which after
     training set the stage's peak."""
     from hyco.qat.step_graph import MtpStep, export_float, io_spec, linear_names, rope_tables
 

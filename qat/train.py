@@ -60,7 +60,7 @@ def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cf
     params = [p for name, p in sim.model.named_parameters()
               if p.requires_grad and "input_quantizers" not in name and "output_quantizers" not in name]
     # fused: one kernel per parameter, no temporaries (the per-tensor loop built two
-    # output-layer-sized ones for its denominator: +650 MB at the full-size step)
+    # output-layer-sized ones for its denominator, on top of the full-size step's peak)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
     order: list[int] = []
     history = []
