@@ -375,7 +375,7 @@ def goals(stages: list[dict], total: dict, all_ran: bool) -> list[dict]:
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="bench folder (run/, logs/, family/, report)")
     parser.add_argument("--family", type=Path, help="a fixtures folder (tokenizer/, slm/, verifier/, assistant/); "
@@ -387,6 +387,25 @@ def main() -> int:
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--speed-probe", action="store_true", help=argparse.SUPPRESS)  # child mode
+    return parser
+
+
+def measured_stage(stage: str, out: Path, recipe: Path, run_dir: Path, sets: list[str], logs: Path) -> dict:
+    """One stage in a child process: wall time, peak RSS, bytes written, phases."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--stage", stage, "--recipe",
+           str(recipe), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s))]
+    m = measure(cmd, logs / f"{stage}.log")
+    # wait4 gives the largest single process; a stage that waits on a worker (export's
+    # compiles) counts the worker's peak plus its own RSS in its manifest: the larger is reported
+    m["peak_rss_mb_wait4"] = m["peak_rss_mb"]
+    m["peak_rss_mb"] = max(m["peak_rss_mb"], stage_manifest_peak(run_dir / stage))
+    written, files = folder_bytes(run_dir / stage)
+    return {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,
+            "load_avg_after": load_average(), "phases": stage_phases(run_dir / stage)}
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     if args.stage:
         run_one(args.stage, args.recipe, args.run_dir, args.set)
@@ -422,21 +441,12 @@ def main() -> int:
     recipe_file.write_text(json.dumps({"recipe": str(recipe), "set": sets}, indent=2))
     for stage in stages:
         print(f"[{stage}] ...", flush=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--stage", stage, "--recipe",
-               str(recipe), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s))]
-        m = measure(cmd, logs / f"{stage}.log")
-        # wait4 gives the largest single process; a stage that waits on a worker (export's
-        # compiles) counts the worker's peak plus its own RSS in its manifest: the larger is reported
-        m["peak_rss_mb_wait4"] = m["peak_rss_mb"]
-        m["peak_rss_mb"] = max(m["peak_rss_mb"], stage_manifest_peak(run_dir / stage))
-        written, files = folder_bytes(run_dir / stage)
-        row = {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,
-               "load_avg_after": load_average(), "phases": stage_phases(run_dir / stage)}
+        row = measured_stage(stage, out, recipe, run_dir, sets, logs)
         report["stages"].append(row)
-        print(f"[{stage}] {row['status']}: {m['wall_s']} s, peak RSS {m['peak_rss_mb']:.0f} MiB, {mb(written)}, "
-              f"load {row['load_avg_after']}", flush=True)
-        if m["rc"] != 0:
-            report["failure"] = {"stage": stage, "rc": m["rc"], "log": str(logs / f"{stage}.log"),
+        print(f"[{stage}] {row['status']}: {row['wall_s']} s, peak RSS {row['peak_rss_mb']:.0f} MiB, "
+              f"{mb(row['bytes'])}, load {row['load_avg_after']}", flush=True)
+        if row["rc"] != 0:
+            report["failure"] = {"stage": stage, "rc": row["rc"], "log": str(logs / f"{stage}.log"),
                                  "log_tail": tail(logs / f"{stage}.log")}
             break
     ran = report["stages"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -53,6 +54,22 @@ def lean_quantizer(weights: Path, int4_matmul: bool = True, check: bool = False)
       weight dequantized just before its MatMul (`drive.cpu_session`), weight taps as constants
       (`constant_weight_taps`) and onnxruntime's priority order."""
     require_proven_onnxruntime()
+    patches = _patches(weights, int4_matmul, check)
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patches if not hasattr(owner, name)]
+    if missing:
+        raise HycoError(f"onnxruntime has no {', '.join(missing)}: calibrate's quantizer patches do not fit this release")
+    originals = [inspect.getattr_static(owner, name) for owner, name, _ in patches]  # a staticmethod as such
+    for owner, name, new in patches:
+        setattr(owner, name, new)
+    try:
+        yield
+    finally:
+        for (owner, name, _), original in zip(patches, originals, strict=True):
+            setattr(owner, name, original)
+
+
+def _patches(weights: Path, int4_matmul: bool, check: bool) -> list[tuple[Any, str, Any]]:
+    """(owner, name, replacement) for each onnxruntime function `lean_quantizer` replaces."""
     import onnxruntime.quantization.base_quantizer as base_quantizer
     import onnxruntime.quantization.calibrate as calibrate
     import onnxruntime.quantization.onnx_model as onnx_model
@@ -75,13 +92,13 @@ def lean_quantizer(weights: Path, int4_matmul: bool = True, check: bool = False)
         self.infer_session = session_for(model, weights, arena=False, providers=self.execution_providers,
                                          priority_order=True, int4_matmul=int4_matmul)
 
-    ort_augment = calibrate.MinMaxCalibrater.augment_graph
+    ort_augment = getattr(calibrate.MinMaxCalibrater, "augment_graph", None)
 
     def augment_graph(self):
         return ort_augment(self) if self.per_channel else augment_graph_linear(self)
 
     lookups = QuantizerLookups(check)
-    ort_replace_node_input = onnx_model.ONNXModel.replace_node_input
+    ort_replace_node_input = getattr(onnx_model.ONNXModel, "replace_node_input", None)
 
     def replace_node_input(node, old_input_name, new_input_name):
         ort_replace_node_input(node, old_input_name, new_input_name)
@@ -99,25 +116,14 @@ def lean_quantizer(weights: Path, int4_matmul: bool = True, check: bool = False)
             return lookups.find_initializer(item_name, item_list)
         return next((item for item in item_list if item.name == item_name), None)
 
-    patches = [(calibrate, "load_model_with_shape_infer", load_weightless),
-               (calibrate.CalibraterBase, "create_inference_session", create_inference_session),
-               (calibrate.MinMaxCalibrater, "augment_graph", augment_graph),
-               (onnx_model.ONNXModel, "replace_node_input", staticmethod(replace_node_input)),
-               (onnx_model.ONNXModel, "replace_input_of_all_nodes", replace_input_of_all_nodes),
-               (onnx_model.ONNXModel, "get_initializer", get_initializer),
-               (onnx_model, "find_by_name", find_by_name), (qdq_quantizer, "find_by_name", find_by_name),
-               (base_quantizer, "find_by_name", find_by_name)]
-    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patches if not hasattr(owner, name)]
-    if missing:
-        raise HycoError(f"onnxruntime has no {', '.join(missing)}: calibrate's quantizer patches do not fit this release")
-    originals = [inspect.getattr_static(owner, name) for owner, name, _ in patches]  # a staticmethod as such
-    for owner, name, new in patches:
-        setattr(owner, name, new)
-    try:
-        yield
-    finally:
-        for (owner, name, _), original in zip(patches, originals, strict=True):
-            setattr(owner, name, original)
+    return [(calibrate, "load_model_with_shape_infer", load_weightless),
+            (calibrate.CalibraterBase, "create_inference_session", create_inference_session),
+            (calibrate.MinMaxCalibrater, "augment_graph", augment_graph),
+            (onnx_model.ONNXModel, "replace_node_input", staticmethod(replace_node_input)),
+            (onnx_model.ONNXModel, "replace_input_of_all_nodes", replace_input_of_all_nodes),
+            (onnx_model.ONNXModel, "get_initializer", get_initializer),
+            (onnx_model, "find_by_name", find_by_name), (qdq_quantizer, "find_by_name", find_by_name),
+            (base_quantizer, "find_by_name", find_by_name)]
 
 
 

@@ -29,16 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from hyco.artifacts import (
-    Phases,
-    declare_nondeterministic,
-    markdown_table,
-    peak_rss_mb,
-    read_json,
-    toolchain_versions,
-    write_json,
-)
-from hyco.errors import HycoError, ProofFailed
+from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, read_json, write_json
+from hyco.errors import HycoError
 from hyco.heap import return_large_blocks
 from hyco.recipe import CalibrateConfig, Recipe, to_dict
 
@@ -471,6 +463,10 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
     temp folder, so nothing moves into place) unless `allow_parity_failure`."""
     from hyco.calibrate import evaluate
 
+    from hyco.answers import answer_stats
+    from hyco.int4_matmul import shared_repacks
+    from hyco.io_spec import write_io_spec
+
     start = time.perf_counter()
     phase = Phases("calibrate")
     return_large_blocks()  # sessions, passes and graphs come and go: freed GBs leave RSS
@@ -480,78 +476,86 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
     report: dict[str, Any] = {"convert": str(convert), "qat": str(qat), "vocab": str(vocab), "answers": str(answers),
                               "config": to_dict(config),
                               "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
-    from hyco.answers import answer_stats
-
     report["data"] = answer_stats(inputs["answers"])
-    from hyco.int4_matmul import shared_repacks
-
     # convert's two graphs are read by the recording and again by the fidelity run: their INT4
-    # weights are repacked for MatMulNBits once (seconds per session at E2B size), and kept (GBs
-    # of temp disk) until the stage ends; the other graphs are read once
+    # weights are repacked for MatMulNBits once and kept until the stage ends; the other graphs
+    # are read once
     with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks(convert):
-        tmp = Path(tmp)
-        weight_bits = convert_weight_bits(convert)
-        slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits)
-        with phase("mtp: record, prepare, quantize"):
-            mtp = calibrate_mtp(qat, inputs, config, tmp, out)
-        with phase("mtp: deployable graph, bit-exact proof, encodings"):
-            deployed = {**slm.pop("deployed"), "mtp": deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
-                                                                 inputs["qat_specs"][MTP_GRAPH],
-                                                                 mtp["mask"]["mask_negative"], weight_bits)}
-        specs = {g: d["spec"] for g, d in deployed.items()}
-        bitexact = {g: d["bitexact"] for g, d in deployed.items()}
-        traps = {g: d["traps"] for g, d in deployed.items()}
-        enc = {OUT_NAMES[g]: d["encodings"] for g, d in deployed.items()}
-        fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
-                                    mtp["mask"]["mask_negative"], tmp, phase)
-        with phase("HTP bound: per-op tolerance through each graph (CPU)"):
-            bounds = htp_bounds(out, specs, fidelity["htp_feeds"], config)
-        for g, b in bounds.items():  # the HTP-vs-CPU bound, for this stage's check and export's smoke
-            specs[g].meta["htp_logprob_bound"] = b["bound"]
-            specs[g].meta["htp_op_kept_bits"] = b["op_kept_bits"]
-        with phase("HTP checks"):
-            htp_results = htp_checks(out, specs, fidelity["htp_feeds"], config.simulator_passes) if config.htp_check else {}
-        fidelity.pop("htp_feeds")
-        if config.fidelity_seeds > 1:
-            with phase(f"fidelity over {config.fidelity_seeds} calibration samples"):
-                spread = fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, fidelity["graphs"])
-        else:
-            spread = {g: {"seeds": [config.seed], "top1_agreement": [fidelity["graphs"][g]["top1_agreement"]]}
-                      for g in ("tree", "prefill", "mtp")}
-    from hyco.io_spec import write_io_spec
-
-    write_io_spec(out / "io_spec.json", list(specs.values()))
+        built = quantize_and_measure(convert, qat, inputs, config, Path(tmp), out, phase)
+    write_io_spec(out / "io_spec.json", list(built["specs"].values()))
     write_json(out / "encodings.json", {"version": ENCODINGS_VERSION, "format": "AIMET encodings, one section per graph",
-                                        "graphs": enc})
-    per_graph = {}
+                                        "graphs": built["encodings"]})
+    per_graph = graph_rows(built)
+    report.update({"graphs": per_graph, "slm": dict(built["slm"]), "mtp": built["mtp"],
+                   "fidelity_details": built["fidelity"], "htp_bounds": built["bounds"], "phases": phase.rows,
+                   "wall_s": round(time.perf_counter() - start, 2)})
+    htp = "onnxruntime-qnn's HTP simulator: prefill.qdq.onnx's outputs vary between processes (same feeds)"
+    summary = {g: {"top1": v["top1_agreement"], "kl": round(v["kl"], 6), "cpu_nodes": v["cpu_nodes"]}
+               for g, v in per_graph.items()} | {"wall_s": report["wall_s"]}
+    return finish_stage("calibrate", out, StageEnd(
+        report, summary_md, summary, proof_failures(per_graph),
+        plots={"sqnr.png": lambda path: evaluate.plot_sqnr(per_graph, path)},
+        nondeterministic=[("report.json", htp, ["/graphs/*/htp/simulator_vs_cpu"]),
+                          ("summary.md", f"{htp}; prints this run's wall time and peak RSS", None)]),
+        allow_parity_failure)
+
+
+def quantize_and_measure(convert: Path, qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
+                         phase: Phases) -> dict[str, Any]:
+    """The three graphs quantized and made deployable (bit-exact proof, encodings), their
+    fidelity on the eval answers, the HTP bounds and checks, and the fidelity over the
+    calibration samples."""
+    from hyco.calibrate import evaluate
+
+    weight_bits = convert_weight_bits(convert)
+    slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits)
+    with phase("mtp: record, prepare, quantize"):
+        mtp = calibrate_mtp(qat, inputs, config, tmp, out)
+    with phase("mtp: deployable graph, bit-exact proof, encodings"):
+        deployed = {**slm.pop("deployed"), "mtp": deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
+                                                             inputs["qat_specs"][MTP_GRAPH],
+                                                             mtp["mask"]["mask_negative"], weight_bits)}
+    specs = {g: d["spec"] for g, d in deployed.items()}
+    fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
+                                mtp["mask"]["mask_negative"], tmp, phase)
+    with phase("HTP bound: per-op tolerance through each graph (CPU)"):
+        bounds = htp_bounds(out, specs, fidelity["htp_feeds"], config)
+    for g, b in bounds.items():  # the HTP-vs-CPU bound, for this stage's check and export's smoke
+        specs[g].meta["htp_logprob_bound"] = b["bound"]
+        specs[g].meta["htp_op_kept_bits"] = b["op_kept_bits"]
+    with phase("HTP checks"):
+        htp_results = htp_checks(out, specs, fidelity["htp_feeds"], config.simulator_passes) if config.htp_check else {}
+    fidelity.pop("htp_feeds")
+    if config.fidelity_seeds > 1:
+        with phase(f"fidelity over {config.fidelity_seeds} calibration samples"):
+            spread = fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, fidelity["graphs"])
+    else:
+        spread = {g: {"seeds": [config.seed], "top1_agreement": [fidelity["graphs"][g]["top1_agreement"]]}
+                  for g in ("tree", "prefill", "mtp")}
+    return {"slm": slm, "mtp": mtp, "specs": specs, "bitexact": {g: d["bitexact"] for g, d in deployed.items()},
+            "traps": {g: d["traps"] for g, d in deployed.items()},
+            "encodings": {OUT_NAMES[g]: d["encodings"] for g, d in deployed.items()}, "fidelity": fidelity,
+            "bounds": bounds, "htp": htp_results, "spread": spread}
+
+
+def graph_rows(built: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per deployed graph: fidelity, HTP acceptance, mask margin, bit-exactness, bound, spread."""
+    rows = {}
     for g in ("tree", "prefill", "mtp"):
-        f = fidelity["graphs"][g]
-        h = htp_results.get(g, {})
-        mask = slm["mask"] if g != "mtp" else mtp["mask"]
-        per_graph[OUT_NAMES[g]] = {
+        f = built["fidelity"]["graphs"][g]
+        h = built["htp"].get(g, {})
+        mask = built["slm"]["mask"] if g != "mtp" else built["mtp"]["mask"]
+        spread = built["spread"][g]
+        rows[OUT_NAMES[g]] = {
             "top1_agreement": f["top1_agreement"], "kl": f["kl"], "rows": f["rows"],
             "cpu_nodes": h.get("cpu_nodes"), "htp_accepted": h.get("accepted"), "htp": h,
             "mask_margin": {k: mask[k] for k in ("mask_negative", "max_masked_mass", "margin_nats", "worst_d",
                                                  "max_visible_spread")},
-            "worst_layers": f["worst_layers"], "sqnr_db": f["sqnr_db"], "weights_bitexact": bitexact[g],
-            "htp_encoding_traps": traps[g], "htp_logprob_bound": specs[g].meta["htp_logprob_bound"],
-            "over_calibration_samples": {**spread[g], "min": min(spread[g]["top1_agreement"]),
-                                         "max": max(spread[g]["top1_agreement"])}}
-    report.update({"graphs": per_graph, "slm": {k: v for k, v in slm.items()}, "mtp": mtp,
-                   "fidelity_details": fidelity, "htp_bounds": bounds, "phases": phase.rows, "wall_s": round(time.perf_counter() - start, 2),
-                   "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": toolchain_versions()})
-    failed = proof_failures(per_graph)
-    report["proof_failed"] = failed
-    write_json(out / "report.json", report)
-    evaluate.plot_sqnr(per_graph, out / "sqnr.png")
-    (out / "summary.md").write_text(summary_md(report))
-    htp = "onnxruntime-qnn's HTP simulator: prefill.qdq.onnx's outputs vary between processes (same feeds)"
-    declare_nondeterministic("report.json", htp, ignore_pointers=["/graphs/*/htp/simulator_vs_cpu"])
-    declare_nondeterministic("summary.md", f"{htp}; prints this run's wall time and peak RSS")
-    if failed and not allow_parity_failure:
-        raise ProofFailed(f"calibrate: {failed}")
-    return {g: {"top1": v["top1_agreement"], "kl": round(v["kl"], 6), "cpu_nodes": v["cpu_nodes"]}
-            for g, v in per_graph.items()} | {"wall_s": report["wall_s"], "proof_failed": failed}
+            "worst_layers": f["worst_layers"], "sqnr_db": f["sqnr_db"], "weights_bitexact": built["bitexact"][g],
+            "htp_encoding_traps": built["traps"][g], "htp_logprob_bound": built["specs"][g].meta["htp_logprob_bound"],
+            "over_calibration_samples": {**spread, "min": min(spread["top1_agreement"]),
+                                         "max": max(spread["top1_agreement"])}}
+    return rows
 
 
 def fidelity_spread(convert: Path, qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path,

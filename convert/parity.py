@@ -423,12 +423,81 @@ def _where(check: Check, k: int, rec: PassRecord, row: int, p: SrqPoint | None) 
     return f"pass {k} ({rec.graph}) row {row} position {int(rec.positions[row])}, {what}"
 
 
+def _reference_taps(refs, check: Check, rec: PassRecord, p: SrqPoint):
+    rows, runs, index = _row_refs(rec, check)
+    return rows, np.stack([refs[run][1][p.index][i] for run, i in zip(runs, index, strict=True)])
+
+
+def _first_differing_code(check: Check, runner: GraphRunner, points: list[SrqPoint], refs, nudges: dict):
+    """The first (pass, SRQ point) whose codes differ from the reference's, and the largest
+    relative input difference seen up to it (a forced tie's nudge taken out) with where."""
+    ref_scale = refs[0][2]
+    upstream, upstream_at = 0.0, None
+    for k, rec in enumerate(runner.passes):
+        for p in points:
+            rows, rx = _reference_taps(refs, check, rec, p)
+            gx, gcode = rec.taps[p.index][0][rows], rec.taps[p.index][1][rows].astype(np.int64)
+            _, rcode = _codes(rx, ref_scale[p.index])
+            forced = nudges.get(k, {}).get(p.index)
+            own = gx if forced is None else gx - forced[rows]  # a forced tie's nudge taken out
+            d = np.abs(own - rx) / np.maximum(1.0, np.abs(rx))
+            if d.max() > upstream:
+                j = int(d.max(-1).argmax())
+                upstream, upstream_at = float(d.max()), _where(check, k, rec, int(rows[j]), p)
+            if (gcode != rcode).any():
+                return (k, rec, rows, p, gx, gcode, rx, rcode), upstream, upstream_at
+    return None, upstream, upstream_at
+
+
+def _force_ties(check: Check, found, ref_scale, nudges: dict, ties: list[dict], last_round: bool) -> str | None:
+    """Every differing code of `found` must be a rounding tie (one step apart, both values within
+    TIE_TOLERANCE of the half step): each is forced to the reference's code by a nudge and
+    recorded in `ties`. Returns the failure if one is not a tie, or if ties are left after the
+    last forcing round."""
+    k, rec, rows, p, gx, gcode, rx, rcode = found
+    gv, _ = _codes(gx, p.scale)
+    rv, _ = _codes(rx, ref_scale[p.index])
+    lo = np.minimum(gcode, rcode) + 0.5
+    diff = gcode != rcode
+    tie = (np.abs(gcode - rcode) == 1) & (np.abs(gv - lo) <= TIE_TOLERANCE) & (np.abs(rv - lo) <= TIE_TOLERANCE)
+    if (diff & ~tie).any():
+        r, c = (int(a[0]) for a in np.nonzero(diff & ~tie))
+        return (f"{check.name}: SRQ code differs and is not a rounding tie at "
+                f"{_where(check, k, rec, int(rows[r]), p)}[{c}]: graph {int(gcode[r, c])} "
+                f"(x/scale {float(gv[r, c]):.6f}) vs transformers {int(rcode[r, c])} ({float(rv[r, c]):.6f})")
+    if last_round:
+        return f"{check.name}: still differing SRQ codes after {MAX_ROUNDS} forcing rounds"
+    nudge = nudges.setdefault(k, {}).setdefault(p.index, np.zeros((len(rec.active), p.width), np.float32))
+    for r, c in zip(*np.nonzero(diff), strict=True):
+        row = int(rows[r])
+        nudge[row, c] = np.float32(rcode[r, c] * np.float32(p.scale)) - gx[r, c]
+        ties.append({"pass": k, "graph": rec.graph, "row": row, "position": int(rec.positions[row]),
+                     "layer": p.layer, "tensor": p.tensor, "source": p.source, "element": int(c),
+                     "graph_value": float(gv[r, c]), "reference_value": float(rv[r, c]),
+                     "graph_code": int(gcode[r, c]), "reference_code": int(rcode[r, c])})
+    return None
+
+
+def _srq_input_diffs(check: Check, runner: GraphRunner, points: list[SrqPoint], refs, nudges: dict):
+    """Every SRQ input after forcing, the nudge taken back out (a forced tie sits 0.5 step away):
+    the largest absolute, relative and code-unit differences from the reference."""
+    ref_scale = refs[0][2]
+    tap_diff = rel_diff = code_diff = 0.0
+    for k, rec in enumerate(runner.passes):
+        for p in points:
+            rows, rx = _reference_taps(refs, check, rec, p)
+            x = rec.taps[p.index][0] - nudges.get(k, {}).get(p.index, 0.0)
+            tap_diff = max(tap_diff, float(np.abs(x[rows] - rx).max()))
+            rel_diff = max(rel_diff, float((np.abs(x[rows] - rx) / np.maximum(1.0, np.abs(rx))).max()))
+            code_diff = max(code_diff, float(np.abs(_codes(x[rows], p.scale)[0] - _codes(rx, ref_scale[p.index])[0]).max()))
+    return tap_diff, rel_diff, code_diff
+
+
 def traced_check(check: Check, make_runner: Callable[[dict], GraphRunner], model, keep_ids,
                  windows: dict[str, int], points: list[SrqPoint]) -> dict:
     """The traced rule on one check (module docstring): ties found, forced, then exact."""
     keep_ids = np.asarray(keep_ids)
     refs = [reference_run(model, ids, keep_ids, windows, points, pos) for ids, pos in check.runs]
-    ref_scale = refs[0][2]
     nudges: dict[int, dict[int, np.ndarray]] = {}
     ties: list[dict] = []
     first_round = None
@@ -436,66 +505,20 @@ def traced_check(check: Check, make_runner: Callable[[dict], GraphRunner], model
     for rounds in range(MAX_ROUNDS + 1):
         runner = make_runner(nudges)
         check.drive(runner)
-        upstream, upstream_at = 0.0, None
-        found = None
-        for k, rec in enumerate(runner.passes):
-            rows, runs, index = _row_refs(rec, check)
-            for p in points:
-                gx, gcode = rec.taps[p.index][0][rows], rec.taps[p.index][1][rows].astype(np.int64)
-                rx = np.stack([refs[run][1][p.index][i] for run, i in zip(runs, index, strict=True)])
-                _, rcode = _codes(rx, ref_scale[p.index])
-                forced = nudges.get(k, {}).get(p.index)
-                own = gx if forced is None else gx - forced[rows]  # a forced tie's nudge taken out
-                d = np.abs(own - rx) / np.maximum(1.0, np.abs(rx))
-                if d.max() > upstream:
-                    j = int(d.max(-1).argmax())
-                    upstream, upstream_at = float(d.max()), _where(check, k, rec, int(rows[j]), p)
-                if (gcode != rcode).any():
-                    found = (k, rec, rows, p, gx, gcode, rx, rcode)
-                    break
-            if found:
-                break
+        found, upstream, upstream_at = _first_differing_code(check, runner, points, refs, nudges)
         if first_round is None:
             first_round = _output_diffs(runner, refs, check)
         if found is None:
             break
-        k, rec, rows, p, gx, gcode, rx, rcode = found
         if upstream > TOLERANCE:
             failure = (f"{check.name}: before the first differing SRQ code, values differ by {upstream:.3g} "
                        f"(relative to max(1, |value|)) > {TOLERANCE:g} at {upstream_at}")
             break
-        gv, _ = _codes(gx, p.scale)
-        rv, _ = _codes(rx, ref_scale[p.index])
-        lo = np.minimum(gcode, rcode) + 0.5
-        diff = gcode != rcode
-        tie = (np.abs(gcode - rcode) == 1) & (np.abs(gv - lo) <= TIE_TOLERANCE) & (np.abs(rv - lo) <= TIE_TOLERANCE)
-        if (diff & ~tie).any():
-            r, c = (int(a[0]) for a in np.nonzero(diff & ~tie))
-            failure = (f"{check.name}: SRQ code differs and is not a rounding tie at "
-                       f"{_where(check, k, rec, int(rows[r]), p)}[{c}]: graph {int(gcode[r, c])} "
-                       f"(x/scale {float(gv[r, c]):.6f}) vs transformers {int(rcode[r, c])} ({float(rv[r, c]):.6f})")
+        failure = _force_ties(check, found, refs[0][2], nudges, ties, last_round=rounds == MAX_ROUNDS)
+        if failure is not None:
             break
-        if rounds == MAX_ROUNDS:
-            failure = f"{check.name}: still differing SRQ codes after {MAX_ROUNDS} forcing rounds"
-            break
-        nudge = nudges.setdefault(k, {}).setdefault(p.index, np.zeros((len(rec.active), p.width), np.float32))
-        for r, c in zip(*np.nonzero(diff), strict=True):
-            row = int(rows[r])
-            nudge[row, c] = np.float32(rcode[r, c] * np.float32(p.scale)) - gx[r, c]
-            ties.append({"pass": k, "graph": rec.graph, "row": row, "position": int(rec.positions[row]),
-                         "layer": p.layer, "tensor": p.tensor, "source": p.source, "element": int(c),
-                         "graph_value": float(gv[r, c]), "reference_value": float(rv[r, c]),
-                         "graph_code": int(gcode[r, c]), "reference_code": int(rcode[r, c])})
     final = _output_diffs(runner, refs, check)
-    tap_diff = rel_diff = code_diff = 0.0  # every SRQ input after forcing, the nudge taken back out (a forced tie sits 0.5 step away)
-    for k, rec in enumerate(runner.passes):
-        rows, runs, index = _row_refs(rec, check)
-        for p in points:
-            x = rec.taps[p.index][0] - nudges.get(k, {}).get(p.index, 0.0)
-            rx = np.stack([refs[run][1][p.index][i] for run, i in zip(runs, index, strict=True)])
-            tap_diff = max(tap_diff, float(np.abs(x[rows] - rx).max()))
-            rel_diff = max(rel_diff, float((np.abs(x[rows] - rx) / np.maximum(1.0, np.abs(rx))).max()))
-            code_diff = max(code_diff, float(np.abs(_codes(x[rows], p.scale)[0] - _codes(rx, ref_scale[p.index])[0]).max()))
+    tap_diff, rel_diff, code_diff = _srq_input_diffs(check, runner, points, refs, nudges)
     if failure is None and rel_diff > TOLERANCE:
         failure = (f"{check.name}: with every tie forced, SRQ inputs differ by {rel_diff:.3g} (relative to "
                    f"max(1, |value|)) > {TOLERANCE:g}")

@@ -14,15 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from hyco.artifacts import (
-    Phases,
-    declare_nondeterministic,
-    markdown_table,
-    peak_rss_mb,
-    toolchain_versions,
-    write_json,
-)
-from hyco.errors import HycoError, ProofFailed
+from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
+from hyco.errors import HycoError
 from hyco.heap import release_free_heap, return_large_blocks
 from hyco.io_spec import write_io_spec
 from hyco.recipe import ConvertConfig, Recipe, to_dict
@@ -313,11 +306,6 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     (holding the linears as int8 as well would break it); bench/bench_fullsize.py measures full
     E2B shapes."""
     import torch
-    from hyco.convert.load import completeness, kv_cache_scales, load_model, read_checkpoint, text_config
-    from hyco.convert.luts import write_luts
-    from hyco.convert.rewrites import build_static_model, effective_windows
-
-    from hyco.host import Rope
 
     start = time.perf_counter()
     phase = Phases("convert")
@@ -326,17 +314,65 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     torch.manual_seed(0)
     return_large_blocks()
     with phase("read checkpoint, LUTs"):
-        ckpt = read_checkpoint(checkpoint)
-        load_report = completeness(ckpt)
-        if ckpt.float_linears and config.float_linear_bits is None:
-            raise HycoError(f"{ckpt.folder / 'config.json'}: modules_to_not_convert leaves {len(ckpt.float_linears)} "
-                            f"linear(s) in float (first: {sorted(ckpt.float_linears)[0]}), and convert.float_linear_bits "
-                            "is null; the NPU graph takes integer weights only")
-        load_report["float_linears"] = sorted(ckpt.float_linears)
-        tc = text_config(ckpt.folder)
-        keep_ids = keep_ids_for(keep_set, tokenizer or ckpt.folder, tc.vocab_size, ckpt.folder) if config.use_keep_set else None
-        luts = write_luts(ckpt, tc, out / "luts")
-        kv_scales = kv_cache_scales(ckpt, load_report["kv_cache_scales"])
+        ckpt, load_report, tc, keep_ids, luts, kv_scales = read_inputs(checkpoint, config, keep_set, tokenizer, out)
+    with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
+        graphs = write_graphs(ckpt, tc, keep_ids, kv_scales, config, keep_set, out, Path(tmp), phase)
+        per_graph, all_equal, parity = prove(ckpt, keep_ids, graphs, config, out, Path(tmp), phase)
+    tree = per_graph[GRAPHS["tree"]]
+    report = {"checkpoint": str(checkpoint), "layout": load_report["layout"], "load": load_report,
+              "export_s": graphs["export_s"],
+              "keep_set": {"path": str(keep_set) if keep_ids is not None else None,
+                           "size": int(len(keep_ids)) if keep_ids is not None else tc.vocab_size},
+              "luts": luts, "graphs": graphs["sizes"], "bitexact_all_equal": all_equal,
+              "quantized_here": {k: r for k, r in tree.items() if r["origin"] != "checkpoint"},
+              "parity_passed": None if parity is None else parity["passed"],
+              "windows": graphs["windows"], "phases": phase.rows, "wall_s": round(time.perf_counter() - start, 2)}
+    failed = None
+    if not all_equal:
+        bad = [f"{g}:{src}" for g, rows in per_graph.items() for src, r in rows.items()
+               if not (r["ints_equal"] and r["scales_equal"])]
+        failed = f"bitexact: {len(bad)} integer weight tensors differ from the checkpoint (first: {bad[0]})"
+    elif parity is not None and not parity["passed"]:
+        failed = f"parity {parity['failure']}"
+    summary = {"bitexact_all_equal": all_equal, "parity_passed": report["parity_passed"],
+               "parity_ties": None if parity is None else parity["ties"],
+               "tree_rows": config.rows, "prefill_rows": config.prefill_chunk, "keep_size": report["keep_set"]["size"],
+               "extra_tensors": len(load_report["extra"])}
+    return finish_stage("convert", out, StageEnd(
+        report, lambda r: summary_md(r, parity), summary, failed,
+        nondeterministic=[("summary.md", "prints this run's wall time, peak RSS and finalize times (report.json)",
+                           None)]), allow_parity_failure)
+
+
+def read_inputs(checkpoint: Path, config: ConvertConfig, keep_set: Path | None, tokenizer: Path | None, out: Path):
+    """The checkpoint's layout and completeness, its text config, the keep set, the LUTs (written
+    to out/luts) and the KV cache scales."""
+    from hyco.convert.load import completeness, kv_cache_scales, read_checkpoint, text_config
+    from hyco.convert.luts import write_luts
+
+    ckpt = read_checkpoint(checkpoint)
+    load_report = completeness(ckpt)
+    if ckpt.float_linears and config.float_linear_bits is None:
+        raise HycoError(f"{ckpt.folder / 'config.json'}: modules_to_not_convert leaves {len(ckpt.float_linears)} "
+                        f"linear(s) in float (first: {sorted(ckpt.float_linears)[0]}), and convert.float_linear_bits "
+                        "is null; the NPU graph takes integer weights only")
+    load_report["float_linears"] = sorted(ckpt.float_linears)
+    tc = text_config(ckpt.folder)
+    keep_ids = keep_ids_for(keep_set, tokenizer or ckpt.folder, tc.vocab_size, ckpt.folder) if config.use_keep_set else None
+    luts = write_luts(ckpt, tc, out / "luts")
+    kv_scales = kv_cache_scales(ckpt, load_report["kv_cache_scales"])
+    return ckpt, load_report, tc, keep_ids, luts, kv_scales
+
+
+def write_graphs(ckpt, tc, keep_ids, kv_scales, config: ConvertConfig, keep_set: Path | None, out: Path, tmp: Path,
+                 phase: Phases) -> dict[str, Any]:
+    """The static module, traced into the tree and prefill graphs (and, for parity, their twins
+    with shrunk rings into tmp/ring) and finalized with the weights; rope.json, io_spec.json and
+    encodings.json beside them. The static module holds the only copy of the weights and is gone
+    when this returns."""
+    from hyco.convert.load import load_model
+    from hyco.convert.rewrites import build_static_model, effective_windows
+
     with phase("load model, static module"):
         model, text, lm_head = load_model(ckpt)
         windows = effective_windows(tc, config.ring_full, config.ring_sliding)
@@ -348,77 +384,59 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
                                     float_bits=config.float_linear_bits)
         del model, text, lm_head  # the static module now holds the only copy of the weights (packed)
         release_free_heap()
-    with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
-        tmp = Path(tmp)
-        start_export = time.perf_counter()
-        with phase("trace graphs"):
-            specs = export_all(static, config, tmp / "graphs")
-            for spec in specs:  # the phone never prefills more than its full ring holds
-                spec.meta.update({"max_prompt": min(config.max_prompt, config.ring_full),
-                                  "keep_set": str(keep_set) if keep_ids is not None else None})
-            if config.parity:
-                # Same weights, rings shrunk below the parity context, for the "past the ring" check.
-                from hyco.convert.static_model import RingShape
-
-                ring_full = config.parity_ring_full
-                ring_sliding = max(1, ring_full // 2)
-                static.rings = RingShape(ring_full, ring_sliding, effective_windows(tc, ring_full, ring_sliding),
-                                         config.mask_negative)
-                small = ConvertConfig(rows=config.rows, prefill_chunk=min(config.prefill_chunk, ring_sliding))
-                ring_specs = export_all(static, small, tmp / "ring_raw")
-        with phase("finalize graphs (weights written)"):
-            enc = encodings(static, kv_scales)
-            sizes = finalize_all(tmp / "graphs", out, static)
-            if config.parity:
-                finalize_all(tmp / "ring_raw", tmp / "ring", static)
-            del static  # the module's ints were the only full copy of the weights
-            release_free_heap()
-        for spec in specs:
-            sizes[spec.graph]["rows"] = spec.meta["rows"]
-        export_s = round(time.perf_counter() - start_export, 2)
-        write_io_spec(out / "io_spec.json", specs)
-        write_json(out / "encodings.json", enc)
-        with phase("bit-exact proof"):
-            tree = bitexact(out, GRAPHS["tree"], enc, ckpt, keep_ids)
-            per_graph = {GRAPHS["tree"]: tree, GRAPHS["prefill"]: same_weights(out, GRAPHS["prefill"], GRAPHS["tree"],
-                                                                                enc, tree)}
-        all_equal = all(r["ints_equal"] and r["scales_equal"] for g in per_graph.values() for r in g.values())
-        write_json(out / "bitexact.json", {"all_equal": all_equal, "graphs": per_graph})
-        parity = None
+    start_export = time.perf_counter()
+    ring_specs = None
+    with phase("trace graphs"):
+        specs = export_all(static, config, tmp / "graphs")
+        for spec in specs:  # the phone never prefills more than its full ring holds
+            spec.meta.update({"max_prompt": min(config.max_prompt, config.ring_full),
+                              "keep_set": str(keep_set) if keep_ids is not None else None})
         if config.parity:
-            with phase("parity"):
-                write_io_spec(tmp / "ring" / "io_spec.json", ring_specs)
-                parity = run_parity(ckpt, keep_ids, out, tmp / "ring", Rope.from_json(rope))
-                write_json(out / "parity.json", parity)
-                plot_parity(parity, out / "parity.png")
+            # Same weights, rings shrunk below the parity context, for the "past the ring" check.
+            from hyco.convert.static_model import RingShape
 
-    report = {"checkpoint": str(checkpoint), "layout": load_report["layout"], "load": load_report,
-              "export_s": export_s,
-              "keep_set": {"path": str(keep_set) if keep_ids is not None else None,
-                           "size": int(len(keep_ids)) if keep_ids is not None else tc.vocab_size},
-              "luts": luts, "graphs": sizes, "bitexact_all_equal": all_equal,
-              "quantized_here": {k: r for k, r in tree.items() if r["origin"] != "checkpoint"},
-              "parity_passed": None if parity is None else parity["passed"],
-              "windows": windows, "phases": phase.rows, "wall_s": round(time.perf_counter() - start, 2),
-              "peak_rss_mb": round(peak_rss_mb(), 1),
-              "toolchain": toolchain_versions()}
-    failed = None
-    if not all_equal:
-        bad = [f"{g}:{src}" for g, rows in per_graph.items() for src, r in rows.items()
-               if not (r["ints_equal"] and r["scales_equal"])]
-        failed = f"bitexact: {len(bad)} integer weight tensors differ from the checkpoint (first: {bad[0]})"
-    elif parity is not None and not parity["passed"]:
-        failed = f"parity {parity['failure']}"
-    report["proof_failed"] = failed
-    write_json(out / "report.json", report)
-    (out / "summary.md").write_text(summary_md(report, parity))
-    declare_nondeterministic("summary.md", "prints this run's wall time, peak RSS and finalize times (report.json)")
-    if failed and not allow_parity_failure:
-        raise ProofFailed(f"convert: {failed}")
-    return {"bitexact_all_equal": all_equal, "parity_passed": report["parity_passed"], "proof_failed": failed,
-            "parity_ties": None if parity is None else parity["ties"],
-            "tree_rows": config.rows, "prefill_rows": config.prefill_chunk, "keep_size": report["keep_set"]["size"],
-            "extra_tensors": len(load_report["extra"])}
+            ring_full = config.parity_ring_full
+            ring_sliding = max(1, ring_full // 2)
+            static.rings = RingShape(ring_full, ring_sliding, effective_windows(tc, ring_full, ring_sliding),
+                                     config.mask_negative)
+            small = ConvertConfig(rows=config.rows, prefill_chunk=min(config.prefill_chunk, ring_sliding))
+            ring_specs = export_all(static, small, tmp / "ring_raw")
+    with phase("finalize graphs (weights written)"):
+        enc = encodings(static, kv_scales)
+        sizes = finalize_all(tmp / "graphs", out, static)
+        if config.parity:
+            finalize_all(tmp / "ring_raw", tmp / "ring", static)
+        del static  # the module's ints were the only full copy of the weights
+        release_free_heap()
+    for spec in specs:
+        sizes[spec.graph]["rows"] = spec.meta["rows"]
+    export_s = round(time.perf_counter() - start_export, 2)
+    write_io_spec(out / "io_spec.json", specs)
+    write_json(out / "encodings.json", enc)
+    return {"sizes": sizes, "export_s": export_s, "encodings": enc, "rope": rope, "windows": windows,
+            "ring_specs": ring_specs}
+
+
+def prove(ckpt, keep_ids, graphs: dict[str, Any], config: ConvertConfig, out: Path, tmp: Path, phase: Phases):
+    """The bit-exact proof (bitexact.json) and, with `config.parity`, traced parity against
+    transformers (parity.json, parity.png). Returns (per-graph bit-exactness, all equal, parity)."""
+    from hyco.host import Rope
+
+    enc = graphs["encodings"]
+    with phase("bit-exact proof"):
+        tree = bitexact(out, GRAPHS["tree"], enc, ckpt, keep_ids)
+        per_graph = {GRAPHS["tree"]: tree, GRAPHS["prefill"]: same_weights(out, GRAPHS["prefill"], GRAPHS["tree"],
+                                                                            enc, tree)}
+    all_equal = all(r["ints_equal"] and r["scales_equal"] for g in per_graph.values() for r in g.values())
+    write_json(out / "bitexact.json", {"all_equal": all_equal, "graphs": per_graph})
+    parity = None
+    if config.parity:
+        with phase("parity"):
+            write_io_spec(tmp / "ring" / "io_spec.json", graphs["ring_specs"])
+            parity = run_parity(ckpt, keep_ids, out, tmp / "ring", Rope.from_json(graphs["rope"]))
+            write_json(out / "parity.json", parity)
+            plot_parity(parity, out / "parity.png")
+    return per_graph, all_equal, parity
 
 
 def plot_parity(parity: dict[str, Any], path: Path) -> None:

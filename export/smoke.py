@@ -161,90 +161,30 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
     (`graph_bounds`); a number: that bound for every graph. `named_as`: the bundle's folder as the
     reports name it (export builds the bundle in a temp folder). `soc_model`: the SoC the smoke
     run is for; a bundle built for another is refused."""
-    from transformers import AutoTokenizer
-
-    from hyco.bundle import verify_bundle
-    from hyco.io_spec import read_io_spec
-    from hyco.keepset import load_keep_set
-    from hyco.recipe import CheckConfig, DatasetConfig
     from hyco.runtime.configs import decode_config
-    from hyco.runtime.drafters import TreeDrafter
-    from hyco.runtime.inputs import load_model, load_prompts
-    from hyco.runtime.qnn_backend import BundleSessions, mtp_qnn, slm_qnn
-    from hyco.runtime.verifier import ReferenceVerifier, Sampling
+    from hyco.runtime.qnn_backend import BundleSessions
 
-    bundle = Path(bundle)
+    bundle, verifier = Path(bundle), Path(verifier)
     start = time.perf_counter()
-    meta = verify_bundle(bundle, soc_model)
-    shared = sorted(r for r, g in meta["graphs"].items() if g.get("shared_context"))
-    if shared:
-        raise HycoError(f"{bundle / 'bundle.json'}: {' and '.join(shared)} share one context binary (unverified); the x86 "
-                        "HTP simulator cannot load a shared context, so smoke cannot run it (load it on a device)")
-    verifier = Path(verifier)
-    check_verifier(bundle, meta.get("reference_verifier"), verifier)
-    if not (bundle / "prompts.jsonl").is_file():
-        raise HycoError(f"{bundle / 'prompts.jsonl'}: the bundle ships no smoke prompts")
-    import torch
-
-    tok = AutoTokenizer.from_pretrained(bundle / "tokenizer")
-    keep_ids = torch.from_numpy(load_keep_set(bundle, tok).token_ids.astype(np.int64))
-    specs = read_io_spec(bundle / "io_spec.json")
-    tree_meta, mtp_meta = specs["tree.qdq.onnx"].meta, specs["mtp_step.qdq.onnx"].meta
-    ring_full = max(r["slots"] for r in tree_meta["rings"])
-    candidates = load_prompts(tok, vocab_dir=bundle, dataset=DatasetConfig(), count=prompts, all_available=True)
-    model = load_model(verifier, "verifier")
-    check = CheckConfig()  # the paper's sampling (T 1, top-k 64, top-p 0.95) and tree
-    cfg = decode_config("hyco-exact", check)
-    sampling = Sampling(check.temperature, check.top_k, check.top_p)
-
-    def reference_verifier():
-        return ReferenceVerifier(model, sampling, capture_point=mtp_meta.get("capture_point", "after_norm"),
-                                 window=int(mtp_meta["window"]), keyed_seed=SMOKE_SEED)
-
-    selection = choose_prompts(reference_verifier, candidates, prompts, rounds * (cfg.mtp_depth + 1))
+    opened = open_bundle(bundle, verifier, soc_model, prompts)
+    cfg = decode_config("hyco-exact", opened["check"])
+    candidates = opened["candidates"]
+    selection = choose_prompts(opened["reference_verifier"], candidates, prompts, rounds * (cfg.mtp_depth + 1))
     prompt_ids = [candidates[row["candidate"]] for row in selection if row["chosen"]]
+    specs = opened["specs"]
     htp, cpu = BundleSessions(bundle, backend="qnn", isolate=isolate), BundleSessions(bundle, backend="cpu", isolate=False)
     graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
         (k.split(".")[0] for k in specs), float(tolerance))
     log = PassLog(graph_bound)
-    results = []
     try:
-        for i, prompt in enumerate(prompt_ids):
-            runs = {}
-            for name, sessions in (("htp", ComparingSessions(htp, cpu, log)), ("cpu", cpu)):
-                def drafter(sessions=sessions):
-                    mtp = mtp_qnn(bundle, keep_ids=keep_ids, window=int(mtp_meta["window"]),
-                                  capture_point=mtp_meta.get("capture_point", "after_norm"), quantize_wire=True,
-                                  sessions=sessions)
-                    slm = slm_qnn(bundle, keep_ids=keep_ids, max_prompt=int(tree_meta["max_prompt"]),
-                                  ring_full=ring_full, sessions=sessions)
-                    return TreeDrafter(cfg, mtp, slm)
-                verifier_run = reference_verifier()
-                marks: list[int] = []
-                runs[name] = run_rounds(prompt, verifier_run, drafter(), rounds, marks, log if name == "htp" else None)
-                if name == "htp":
-                    bounds = marks + [len(log.rows)]
-            per_round = [log.rows[bounds[r]:bounds[r + 1]] for r in range(rounds)]
-            commits = compare_commits(runs["htp"], runs["cpu"], [sum(p["tie_swaps"] for p in ps) for ps in per_round])
-            for r, (passes, commit) in enumerate(zip(per_round, commits, strict=True)):
-                results.append({"prompt": i, "round": r, "passes": len(passes),
-                                "passes_agree": all(log.ok(p) for p in passes), **commit})
+        results = run_prompts(prompt_ids, rounds, bundle, opened, cfg, htp, cpu, log)
         timings = {"htp (simulation, not phone speed)": htp.timings(), "cpu (onnxruntime, QDQ)": cpu.timings()}
     finally:
         htp.close()
     bad_passes = [p for p in log.rows if not log.ok(p)]
     passed = not bad_passes and all(r["ok"] and r["passes_agree"] for r in results)
     diverged = sum(not r["same_commit"] for r in results)
-    by_role = {}
-    for role in sorted({p["role"] for p in log.rows}):
-        rows = [p for p in log.rows if p["role"] == role]
-        by_role[role] = {"passes": len(rows), "rows": sum(p["rows"] for p in rows),
-                         "id_mismatches": sum(p["id_mismatches"] for p in rows),
-                         "tie_swaps": sum(p["tie_swaps"] for p in rows),
-                         "top1_equal": sum(p["top1_equal"] for p in rows),
-                         "max_logprob_diff": round(max(p["max_logprob_diff"] for p in rows), 5),
-                         "bound": round(graph_bound[role], 5),
-                         "max_kv_diff": round(max((p["max_kv_diff"] or 0.0) for p in rows), 5)}
+    by_role = pass_totals(log, graph_bound)
     # the text the rounds ran on: a prompt whose answer loops on one token drafts trivially
     committed = {i: sum((r["cpu_committed"] for r in results if r["prompt"] == i), []) for i in range(len(prompt_ids))}
     text = {i: text_stats([ids]) for i, ids in committed.items()}
@@ -258,18 +198,114 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
                 f"committed text (the verifier's sampled text, position-keyed) more than {MAX_TOP_SHARE:.0%} one "
                 f"token on {looping} of {len(text)} prompts, chosen from {len(selection)} by their reference text")
     report = {"passed": passed, "headline": headline, "bundle": str(named_as or bundle), "verifier": str(verifier),
-              "soc_model": meta["soc_model"], "tolerance": tolerance, "bounds": graph_bound, "isolate": isolate,
+              "soc_model": opened["meta"]["soc_model"], "tolerance": tolerance, "bounds": graph_bound,
+              "isolate": isolate,
               "isolation_note": "each HTP context in its own worker process (results were seen to leak between "
                                 "HTP sessions in one process)" if isolate else "all contexts in one process",
               "by_graph": by_role, "rounds": results, "committed_text": text, "looping_prompts": looping,
               "prompt_selection": selection, "timings": timings, "passes": log.rows,
               "wall_s": round(time.perf_counter() - start, 2)}
-    md = f"## smoke on `{named_as or bundle}`\n\n{headline}.\n\n"
-    md += markdown_table([{"graph": k, **v} for k, v in by_role.items()],
+    report["summary_md"] = smoke_markdown(report, prompts, rounds * (cfg.mtp_depth + 1))
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(out) / "report.json", report)
+        (Path(out) / "summary.md").write_text(report["summary_md"])
+    return report
+
+
+def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: int) -> dict[str, Any]:
+    """The verified bundle (refused: another SoC, a shared context, another verifier, no prompts),
+    its tokenizer, keep set, io_spec and candidate prompts, and the reference verifier."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hyco.bundle import verify_bundle
+    from hyco.io_spec import read_io_spec
+    from hyco.keepset import load_keep_set
+    from hyco.recipe import CheckConfig, DatasetConfig
+    from hyco.runtime.inputs import load_model, load_prompts
+    from hyco.runtime.verifier import ReferenceVerifier, Sampling
+
+    meta = verify_bundle(bundle, soc_model)
+    shared = sorted(r for r, g in meta["graphs"].items() if g.get("shared_context"))
+    if shared:
+        raise HycoError(f"{bundle / 'bundle.json'}: {' and '.join(shared)} share one context binary (unverified); the x86 "
+                        "HTP simulator cannot load a shared context, so smoke cannot run it (load it on a device)")
+    check_verifier(bundle, meta.get("reference_verifier"), verifier)
+    if not (bundle / "prompts.jsonl").is_file():
+        raise HycoError(f"{bundle / 'prompts.jsonl'}: the bundle ships no smoke prompts")
+    tok = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    keep_ids = torch.from_numpy(load_keep_set(bundle, tok).token_ids.astype(np.int64))
+    specs = read_io_spec(bundle / "io_spec.json")
+    candidates = load_prompts(tok, vocab_dir=bundle, dataset=DatasetConfig(), count=prompts, all_available=True)
+    model = load_model(verifier, "verifier")
+    check = CheckConfig()  # the paper's sampling (T 1, top-k 64, top-p 0.95) and tree
+    sampling = Sampling(check.temperature, check.top_k, check.top_p)
+    mtp_meta = specs["mtp_step.qdq.onnx"].meta
+
+    def reference_verifier():
+        return ReferenceVerifier(model, sampling, capture_point=mtp_meta.get("capture_point", "after_norm"),
+                                 window=int(mtp_meta["window"]), keyed_seed=SMOKE_SEED)
+
+    return {"meta": meta, "keep_ids": keep_ids, "specs": specs, "candidates": candidates, "check": check,
+            "reference_verifier": reference_verifier}
+
+
+def run_prompts(prompt_ids: list[list[int]], rounds: int, bundle: Path, opened: dict[str, Any], cfg, htp, cpu,
+                log: PassLog) -> list[dict[str, Any]]:
+    """Per prompt, the rounds twice: every pass on the HTP and on the CPU (`ComparingSessions`,
+    recorded in `log`), then with both drafters on the CPU; the two committed streams compared."""
+    from hyco.runtime.drafters import TreeDrafter
+    from hyco.runtime.qnn_backend import mtp_qnn, slm_qnn
+
+    specs, keep_ids = opened["specs"], opened["keep_ids"]
+    tree_meta, mtp_meta = specs["tree.qdq.onnx"].meta, specs["mtp_step.qdq.onnx"].meta
+    ring_full = max(r["slots"] for r in tree_meta["rings"])
+    results = []
+    for i, prompt in enumerate(prompt_ids):
+        runs = {}
+        for name, sessions in (("htp", ComparingSessions(htp, cpu, log)), ("cpu", cpu)):
+            verifier_run = opened["reference_verifier"]()
+            mtp = mtp_qnn(bundle, keep_ids=keep_ids, window=int(mtp_meta["window"]),
+                          capture_point=mtp_meta.get("capture_point", "after_norm"), quantize_wire=True,
+                          sessions=sessions)
+            slm = slm_qnn(bundle, keep_ids=keep_ids, max_prompt=int(tree_meta["max_prompt"]), ring_full=ring_full,
+                          sessions=sessions)
+            marks: list[int] = []
+            runs[name] = run_rounds(prompt, verifier_run, TreeDrafter(cfg, mtp, slm), rounds, marks,
+                                    log if name == "htp" else None)
+            if name == "htp":
+                bounds = marks + [len(log.rows)]
+        per_round = [log.rows[bounds[r]:bounds[r + 1]] for r in range(rounds)]
+        commits = compare_commits(runs["htp"], runs["cpu"], [sum(p["tie_swaps"] for p in ps) for ps in per_round])
+        for r, (passes, commit) in enumerate(zip(per_round, commits, strict=True)):
+            results.append({"prompt": i, "round": r, "passes": len(passes),
+                            "passes_agree": all(log.ok(p) for p in passes), **commit})
+    return results
+
+
+def pass_totals(log: PassLog, graph_bound: dict[str, float]) -> dict[str, dict[str, Any]]:
+    by_role = {}
+    for role in sorted({p["role"] for p in log.rows}):
+        rows = [p for p in log.rows if p["role"] == role]
+        by_role[role] = {"passes": len(rows), "rows": sum(p["rows"] for p in rows),
+                         "id_mismatches": sum(p["id_mismatches"] for p in rows),
+                         "tie_swaps": sum(p["tie_swaps"] for p in rows),
+                         "top1_equal": sum(p["top1_equal"] for p in rows),
+                         "max_logprob_diff": round(max(p["max_logprob_diff"] for p in rows), 5),
+                         "bound": round(graph_bound[role], 5),
+                         "max_kv_diff": round(max((p["max_kv_diff"] or 0.0) for p in rows), 5)}
+    return by_role
+
+
+def smoke_markdown(report: dict[str, Any], prompts: int, reference_tokens: int) -> str:
+    selection, text, results = report["prompt_selection"], report["committed_text"], report["rounds"]
+    md = f"## smoke on `{report['bundle']}`\n\n{report['headline']}.\n\n"
+    md += markdown_table([{"graph": k, **v} for k, v in report["by_graph"].items()],
                          ["graph", "passes", "rows", "id_mismatches", "tie_swaps", "top1_equal", "max_logprob_diff",
                           "bound", "max_kv_diff"])
     md += (f"\nPrompts: the first {prompts} of the bundle's {len(selection)} evaluation prompts whose reference "
-           f"text (the verifier's own sampled continuation, {rounds * (cfg.mtp_depth + 1)} tokens, T 1, top-k 64, "
+           f"text (the verifier's own sampled continuation, {reference_tokens} tokens, T 1, top-k 64, "
            f"top-p 0.95, each token keyed by its position) is at most {MAX_TOP_SHARE:.0%} one token; "
            f"{sum(r['chosen'] and r['degenerate'] for r in selection)} chosen ones fall short of that (too few "
            "candidates pass).\n\n")
@@ -283,11 +319,6 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
                          ["prompt", "round", "passes", "passes_agree", "htp_committed", "cpu_committed", "tie_swaps",
                           "stream_agrees", "ok"])
     md += "\nTimes (the HTP figures are the x86 simulator's, not phone speed):\n\n"
-    md += markdown_table([{"backend": b, "graph": g, **v} for b, t in timings.items() for g, v in t.items()],
+    md += markdown_table([{"backend": b, "graph": g, **v} for b, t in report["timings"].items() for g, v in t.items()],
                          ["backend", "graph", "load_s", "passes", "pass_s_mean", "pass_s_max"])
-    report["summary_md"] = md
-    if out is not None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(out) / "report.json", report)
-        (Path(out) / "summary.md").write_text(md)
-    return report
+    return md

@@ -17,13 +17,14 @@ from typing import Any
 
 from hyco.artifacts import (
     Phases,
+    StageEnd,
     declare_nondeterministic,
+    finish_stage,
     markdown_table,
-    peak_rss_mb,
     toolchain_versions,
     write_json,
 )
-from hyco.errors import HycoError, ProofFailed
+from hyco.errors import HycoError
 from hyco.heap import return_large_blocks
 from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec, write_io_spec
 from hyco.recipe import ExportConfig, Recipe, to_dict
@@ -180,48 +181,20 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     `allow_parity_failure`: then the summary carries `proof_failed` and the manifest is marked.
     `final`: where `out` will be once the stage is done (it is built in a temp folder), the
     folder the reports name. Returns a short summary for the manifest."""
-    from hyco.bundle import (
-        BUNDLE_JSON,
-        BUNDLE_VERSION,
-        device_footprint,
-        file_table,
-        footprint_markdown,
-    )
-    from hyco.qnn import settle_soc, soc_info
+    from hyco.bundle import footprint_markdown
 
     start = time.perf_counter()
-    # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next (at
-    # full size a lower peak for slightly slower compiles)
+    # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next
     return_large_blocks()
-    chip, arch = soc_info(config.soc_model, config.htp_arch)
-    settled = settle_soc(chip)
-    if (settled["soc_model"], settled["htp_arch"]) != (config.soc_model, arch):
-        raise HycoError(f"export.soc_model {config.soc_model} is {chip} (v{arch}) in hyco-convert's table, but the installed "
-                        f"QNN libraries build {chip} as soc_model {settled['soc_model']}, v{settled['htp_arch']}: the table "
-                        "is stale for this QNN release")
-    if config.backend == "qai-hub":
-        raise HycoError("export.backend 'qai-hub': use `hyco-convert export --hub` (compile and profile jobs on "
-                        f"{config.device!r}); the pipeline compiles offline with onnxruntime-qnn")
+    chip, arch, settled = settled_soc(config)
     out = Path(out)
     bundle = out / "bundle"
     bundle.mkdir(parents=True, exist_ok=True)
     phase = Phases("export")
-    with phase("gather inputs"):
-        specs = gather_inputs(bundle, calibrate=Path(calibrate), convert=Path(convert), qat=Path(qat), vocab=Path(vocab),
-                              tokenizer=Path(tokenizer) if tokenizer else None, reference_graphs=config.reference_graphs)
-    graphs = compile_graphs(bundle, Path(calibrate), specs, config, phase)
-    versions = toolchain_versions()
-    meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "soc_settled": settled,
-            "htp_optimization_level": config.htp_optimization_level,
-            "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"], "onnxruntime_qnn": versions.get("onnxruntime-qnn"),
-            "reference_verifier": verifier_identity(Path(verifier)) if verifier else None,
-            "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
-                    "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
-                    "test's CPU run and is not needed on the phone.",
-            "graphs": graphs, "files": file_table(bundle)}
-    meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json")
-    write_json(bundle / BUNDLE_JSON, meta)
-    declare_binaries(graphs, meta["qnn_sdk"])
+    meta = write_bundle(bundle, config, chip, arch, settled, phase, calibrate=Path(calibrate), convert=Path(convert),
+                        qat=Path(qat), vocab=Path(vocab), tokenizer=Path(tokenizer) if tokenizer else None,
+                        verifier=Path(verifier) if verifier else None)
+    graphs = meta["graphs"]
     smoke = None
     if config.smoke_prompts and verifier is not None and not config.share_contexts:
         from hyco.export.smoke import smoke as run_smoke
@@ -241,34 +214,78 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
             for role, g in graphs.items() for p in g["parts"]]
     report = {"soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "qnn_sdk": meta["qnn_sdk"],
               "htp_optimization_level": config.htp_optimization_level,
-              "graphs": rows, "footprint": meta["footprint"], "smoke": smoke, "proof_failed": failed, "phases": phase.rows,
-              "wall_s": round(time.perf_counter() - start, 2),
-              "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": versions}
-    write_json(out / "report.json", report)
-    level = config.htp_optimization_level or "0 (QNN's default: its binary matched level 2's in a probe)"
-    md = (f"# export: QNN context binaries for soc_model {config.soc_model} ({chip}, Hexagon v{arch})\n\n"
-          f"QNN SDK {meta['qnn_sdk']}; HTP optimization level {level}; "
-          f"bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
-          f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0]))
-          + "\n\n## On the phone, against the paper's Table 3\n\n" + footprint_markdown(meta["footprint"]))
-    if failed:
-        md += f"\n**Proof failed, bundle kept (allow_parity_failure)**: {failed}\n"
-    if smoke is not None:
-        md += "\n" + smoke["summary_md"]
-    (out / "summary.md").write_text(md)
-    declare_nondeterministic("summary.md", "prints this run's wall time and compile times"
-                             + ("; and the smoke run's HTP simulator figures" if smoke is not None else ""))
+              "graphs": rows, "footprint": meta["footprint"], "smoke": smoke, "phases": phase.rows,
+              "wall_s": round(time.perf_counter() - start, 2)}
+
+    def summary_md(report: dict[str, Any]) -> str:
+        level = config.htp_optimization_level or "0 (QNN's default: its binary matched level 2's in a probe)"
+        md = (f"# export: QNN context binaries for soc_model {config.soc_model} ({chip}, Hexagon v{arch})\n\n"
+              f"QNN SDK {meta['qnn_sdk']}; HTP optimization level {level}; "
+              f"bundle in `bundle/` ({len(meta['files'])} files, see bundle.json). "
+              f"Wall {report['wall_s']} s.\n\n" + markdown_table(rows, list(rows[0]))
+              + "\n\n## On the phone, against the paper's Table 3\n\n" + footprint_markdown(meta["footprint"]))
+        if failed:
+            md += f"\n**Proof failed, bundle kept (allow_parity_failure)**: {failed}\n"
+        if smoke is not None:
+            md += "\n" + smoke["summary_md"]
+        return md
+
+    varying = [("summary.md", "prints this run's wall time and compile times"
+                + ("; and the smoke run's HTP simulator figures" if smoke is not None else ""), None)]
     if smoke is not None:
         sim = ("the smoke run's figures: onnxruntime-qnn's HTP simulator output varies between processes (same "
                "feeds; calibrate declares the same), and its load and pass times are measured")
-        declare_nondeterministic("report.json", sim, ignore_pointers=["/proof_failed", "/smoke"])
-        declare_nondeterministic("smoke/report.json", sim)
-        declare_nondeterministic("smoke/summary.md", sim)
-    if failed and not allow_parity_failure:  # the bundle's proof: the stage stops, nothing moves into place
-        raise ProofFailed(f"export: {failed}; --allow-parity-failure keeps the bundle and smoke/ (manifest marked)")
-    return {"soc_model": config.soc_model, "binaries": {r["part"]: r["binary_bytes"] for r in rows},
-            "compile_s": round(sum(r["compile_s"] for r in rows), 2),
-            "smoke_passed": None if smoke is None else smoke["passed"], "proof_failed": failed}
+        varying += [("report.json", sim, ["/proof_failed", "/smoke"]), ("smoke/report.json", sim, None),
+                    ("smoke/summary.md", sim, None)]
+    summary = {"soc_model": config.soc_model, "binaries": {r["part"]: r["binary_bytes"] for r in rows},
+               "compile_s": round(sum(r["compile_s"] for r in rows), 2),
+               "smoke_passed": None if smoke is None else smoke["passed"]}
+    return finish_stage("export", out, StageEnd(
+        report, summary_md, summary, failed, nondeterministic=varying,
+        failure_hint="; --allow-parity-failure keeps the bundle and smoke/ (manifest marked)"), allow_parity_failure)
+
+
+def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:
+    """The recipe's SoC by name and Hexagon arch, and what the installed QNN libraries build for
+    that name; refused where the two disagree, and for the qai-hub backend (`export --hub`)."""
+    from hyco.qnn import settle_soc, soc_info
+
+    chip, arch = soc_info(config.soc_model, config.htp_arch)
+    settled = settle_soc(chip)
+    if (settled["soc_model"], settled["htp_arch"]) != (config.soc_model, arch):
+        raise HycoError(f"export.soc_model {config.soc_model} is {chip} (v{arch}) in hyco-convert's table, but the installed "
+                        f"QNN libraries build {chip} as soc_model {settled['soc_model']}, v{settled['htp_arch']}: the table "
+                        "is stale for this QNN release")
+    if config.backend == "qai-hub":
+        raise HycoError("export.backend 'qai-hub': use `hyco-convert export --hub` (compile and profile jobs on "
+                        f"{config.device!r}); the pipeline compiles offline with onnxruntime-qnn")
+    return chip, arch, settled
+
+
+def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settled: dict[str, Any], phase: Phases, *,
+                 calibrate: Path, convert: Path, qat: Path, vocab: Path, tokenizer: Path | None,
+                 verifier: Path | None) -> dict[str, Any]:
+    """The bundle's inputs gathered, its graphs compiled, and bundle.json (binaries, footprint,
+    SoC, reference verifier) written. Returns bundle.json's content."""
+    from hyco.bundle import BUNDLE_JSON, BUNDLE_VERSION, device_footprint, file_table
+
+    with phase("gather inputs"):
+        specs = gather_inputs(bundle, calibrate=calibrate, convert=convert, qat=qat, vocab=vocab, tokenizer=tokenizer,
+                              reference_graphs=config.reference_graphs)
+    graphs = compile_graphs(bundle, calibrate, specs, config, phase)
+    meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "soc_settled": settled,
+            "htp_optimization_level": config.htp_optimization_level,
+            "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"],
+            "onnxruntime_qnn": toolchain_versions().get("onnxruntime-qnn"),
+            "reference_verifier": verifier_identity(verifier) if verifier else None,
+            "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
+                    "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
+                    "test's CPU run and is not needed on the phone.",
+            "graphs": graphs, "files": file_table(bundle)}
+    meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json")
+    write_json(bundle / BUNDLE_JSON, meta)
+    declare_binaries(graphs, meta["qnn_sdk"])
+    return meta
 
 
 # --- pipeline hooks ------------------------------------------------------------------------------

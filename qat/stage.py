@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyco.artifacts import Phases, declare_nondeterministic, markdown_table, write_json
-from hyco.errors import HycoError, ProofFailed
+from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
+from hyco.errors import HycoError
 from hyco.heap import release_free_heap
 from hyco.recipe import PlacementConfig, QatConfig, Recipe, to_dict
 
@@ -113,24 +113,9 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
               out: Path, allow_parity_failure: bool = False, placement: PlacementConfig | None = None) -> dict[str, Any]:
     """`answers`: the answers stage's folder (the text the head trains and is evaluated on);
     `placement`: the verifier's dtype and devices for the captures (default: BF16 on a GPU, fp32
-    on the CPU)."""
-    from hyco.qat.evaluate import agreement
-    from hyco.qat.lean_qdq import weights_quantized_once
-    from hyco.qat.mtp import TeacherForcedHead, output_table_on_disk
-    from hyco.qat.quantsim import (
-        aimet_config,
-        apply_clip_search,
-        attach_input_quantizers,
-        make_student,
-        recalibrate_activations,
-    )
-    from hyco.qat.train import model_inputs, train_student
-
-    from hyco.captures import CaptureSet, capture_answers
-    from hyco.embed_lut import EMBED_LUT, write_embed_lut
-    from hyco.keepset import load_keep_set
+    on the CPU). In named steps: read and check the inputs, capture the answers through the
+    verifier, train the students, write the MTP Drafter and prove its graphs."""
     from hyco.launch import start_followers
-    from hyco.loading import load_tokenizer, load_verifier
 
     start = time.perf_counter()
     phase = Phases("qat")
@@ -138,33 +123,82 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     start_followers(captures=str(out / CAPTURES))
     torch.manual_seed(config.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok, keep, answer_rows, answer_report, h_cfg = read_inputs(tokenizer, vocab, answers, assistant, phase)
+    train, evals, kv_shapes = capture_through_verifier(verifier, assistant, tok, keep, answer_rows, h_cfg,
+                                                       placement, config, out, phase)
+    with phase("free verifier, load head"):
+        head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
+    done = students_and_drafter(head, keep, train, evals, kv_shapes, h_cfg.get_text_config().sliding_window, config,
+                                device, out, phase)
+    results, history = done["results"], done["history"]
+    report = {
+        "agreement": results,
+        "clip_ratio_mean": done["clip_ratios"],
+        "training": {"steps": config.steps, "wall_s": round(done["train_s"], 2),
+                     "s_per_step": round(done["train_s"] / max(config.steps, 1), 4), "device": device.type,
+                     "first_loss": history[0]["loss"] if history else None,
+                     "last_loss": history[-1]["loss"] if history else None},
+        "history": history,
+        "answers": {"source": answer_report["source"], "stats": answer_report["stats"],
+                    "warnings": answer_report["warnings"]},
+        "captures": {"train": len(train), "eval": len(evals), "capture_point": config.capture_point,
+                     "train_tokens": sum(r["tokens"] for r in train.rows), "eval_tokens": sum(r["tokens"] for r in evals.rows)},
+        "input_ranges": done["ranges"],
+        "parity": done["parity"],
+        "drafter": done["drafter"],
+        "phases": phase.rows,
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
+    bits, parity = config.weight_bits, done["parity"]
+    summary = {"top1": {k: round(v["top1_agreement"], 4) for k, v in results.items()},
+               "qat_minus_ptq_kl": round(results[f"w{bits}_qat"]["kl"] - results[f"w{bits}_ptq"]["kl"], 6),
+               "s_per_step": report["training"]["s_per_step"], "parity": parity}
+    return finish_stage("qat", out, StageEnd(
+        report, lambda r: summary_md(r, bits), summary, parity["failure"] and f"parity {parity['failure']}",
+        plots={"loss.png": lambda path: plot_loss(path, history),
+               "agreement.png": lambda path: plot_agreement(path, results, bits)},
+        nondeterministic=[("summary.md", "prints this run's measured seconds per training step", None)]),
+        allow_parity_failure)
+
+
+def read_inputs(tokenizer: Path, vocab: Path, answers: Path, assistant: Path, phase: Phases):
+    """The tokenizer, keep set and answers; the head's config checked, and its file read once
+    so that a damaged head fails now, not after the verifier's answers and captures."""
+    from hyco.qat.mtp import require_plain_output_layer
+
+    from hyco.keepset import load_keep_set
+    from hyco.loading import load_config, load_tokenizer
+
     tok_dir = Path(tokenizer)
     if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
         raise HycoError(f"tokenizer not found: {tok_dir / 'tokenizer.json'}")
     tok = load_tokenizer(tok_dir)
     keep = load_keep_set(vocab, tok)
-    answers, answer_report = read_answer_folder(Path(answers), tok)
-    from hyco.qat.mtp import require_plain_output_layer
-
-    from hyco.loading import load_config
-
+    answer_rows, answer_report = read_answer_folder(Path(answers), tok)
     h_cfg = load_config(assistant, "assistant")
     require_plain_output_layer(h_cfg, str(assistant))  # before any weight is read
     with phase("check head"):
-        # A damaged head file fails now, not after the verifier's answers and captures (hours at
-        # real size); the head is small, and it is freed before the verifier loads.
+        # the head is small, and it is freed before the verifier loads
         checked = load_model(assistant, "assistant", torch.float32)
         del checked
         gc.collect()
+    return tok, keep, answer_rows, answer_report, h_cfg
+
+
+def capture_through_verifier(verifier: Path, assistant: Path, tok, keep, answer_rows: list[dict], h_cfg,
+                             placement: PlacementConfig | None, config: QatConfig, out: Path, phase: Phases):
+    """The answers teacher-forced through the verifier (captures/) and the MTP embedding LUT; the
+    verifier is loaded here and gone when this returns, so its weights and the head's are never
+    in memory together. Returns the train and eval capture sets and the KV shapes."""
+    from hyco.captures import CaptureSet, capture_answers
+    from hyco.embed_lut import EMBED_LUT, write_embed_lut
+    from hyco.loading import load_verifier
+
     with phase("load verifier"):
         ver = load_verifier(verifier, placement or PlacementConfig())
     check_pair(ver.config, h_cfg, tok, Path(verifier), Path(assistant))
-    keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
-    sliding_window = h_cfg.get_text_config().sliding_window
-
-    # 1. the answers stage's text, teacher-forced through the verifier: captures
     with phase("captures"):
-        rows = capture_answers(ver, answers, out / CAPTURES, config.capture_point)
+        rows = capture_answers(ver, answer_rows, out / CAPTURES, config.capture_point)
     write_json(out / CAPTURES / "captures.json", {"capture_point": config.capture_point, "shards": rows})
     train, evals = CaptureSet(out / CAPTURES, rows, "train"), CaptureSet(out / CAPTURES, rows, "eval")
     if not len(train) or not len(evals):
@@ -172,64 +206,33 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     with phase("embedding LUT"):
         write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
     kv_shapes = {layer: (k.shape[0], k.shape[-1]) for layer, (k, _) in train[0].kv.items()}
-    # The verifier's work is done (answers, captures, LUT): free it before the head and its
-    # students load, so the two models' weights are never in memory together (the shallow
-    # 2,816-wide stand-in is GBs in fp32, most of it its tied 262,144-row table).
     del ver
-    release_free_heap()  # not calibrate's 1 MiB mmap threshold: at full size it made every
-    # training step much slower for a small saving in peak memory
-    with phase("free verifier, load head"):
-        head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
+    release_free_heap()  # not calibrate's 1 MiB mmap threshold: training steps ran slower with it
+    return train, evals, kv_shapes
 
-    # 2. students: W8 PTQ, W4 PTQ (clip search only), W4 QAT
+
+def students_and_drafter(head, keep, train, evals, kv_shapes: dict, sliding_window: int, config: QatConfig, device,
+                         out: Path, phase: Phases) -> dict[str, Any]:
+    """Students (W8 PTQ, W4 PTQ with clip search, W4 QAT), then the MTP Drafter's files from the
+    teacher's rows and the student's integers, and the graphs' parity. The head's 262,144-row
+    tables wait on disk until graph parity's transformers reference needs them: the students
+    copy the teacher's keep-set rows, the step graphs are written from the teacher's weights
+    (float) and the student's (INT4)."""
+    from hyco.qat.mtp import TeacherForcedHead, output_table_on_disk
+
+    keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
     teacher = TeacherForcedHead(head, keep_ids).eval()
-    cfg_path = aimet_config(out / "aimet_config.json")
-    example = model_inputs(train[0], sliding_window, device, config.mask_negative)
     calib = [train[i] for i in range(min(config.calibration_sequences, len(train)))]
-
-    def calibrated(bits: int):
-        sim = make_student(head, keep_ids, example, weight_bits=bits, activation_bits=config.activation_bits,
-                           config_path=cfg_path, rows=teacher.lm_head)
-        sim.compute_encodings(lambda m, _: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib], None)
-        attach_input_quantizers(sim, ranges)
-        return sim
-
-    # The head's 262,144-row tables wait on disk until graph parity's transformers reference
-    # needs them (off the peak): the students copy the teacher's keep-set rows, the step
-    # graphs are written from the teacher's weights (float) and the student's (INT4).
     table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
     with output_table_on_disk(head, table_folder):
         with phase("float step graph"):
             spec = write_float_step(out, head, teacher, keep, kv_shapes, config)
-        # Fixed input ranges first: every student sees the graph's input clipping from here on.
-        with phase("W8 PTQ"):
-            ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
-            results = {}
-            sim8 = calibrated(8)
-            with weights_quantized_once(sim8.model):
-                results["w8_ptq"] = agreement(sim8.model, teacher, evals, sliding_window, device, config.mask_negative)
-            del sim8
-            gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
-        with phase(f"W{config.weight_bits} PTQ"):
-            sim = calibrated(config.weight_bits)
-            clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
-            with weights_quantized_once(sim.model):
-                results[f"w{config.weight_bits}_ptq"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-                results[f"w{config.weight_bits}_ptq_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
-        with phase(f"W{config.weight_bits} QAT"):
-            train_start = time.perf_counter()
-            history = train_student(sim, teacher, train, config, sliding_window, device)
-            train_s = time.perf_counter() - train_start
-            recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
-            with weights_quantized_once(sim.model):
-                results[f"w{config.weight_bits}_qat"] = agreement(sim.model, teacher, evals, sliding_window, device, config.mask_negative)
-                results[f"w{config.weight_bits}_qat_train"] = agreement(sim.model, teacher, train, sliding_window, device, config.mask_negative)
-
-        # 3. the MTP Drafter artifacts (from the teacher's rows and the student's integers: the
-        # tables stay on disk through the ONNX export and the quantized graph's parity)
+        students = train_students(head, teacher, keep_ids, train, evals, calib, sliding_window, config, device, out,
+                                  phase)
+        sim = students.pop("sim")
         with phase("drafter graphs"):
-            drafter = write_drafter(out, head, sim, keep, spec, ranges, config)
-        teacher = None  # its keep-set output layer (the largest tensor at full size) is done with
+            drafter = write_drafter(out, head, sim, keep, spec, students["ranges"], config)
+        teacher = None  # its keep-set output layer is done with
         # Parity on a calibration sequence: inside the calibrated activation ranges, so what is left
         # between the graph and the full student is the 16-bit grid, not range clipping.
         with phase("graph parity: quantized"):
@@ -240,37 +243,64 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     table_folder.rmdir()
     with phase("graph parity: float"):
         parity = float_parity(out, head, keep_ids, rows, quantized)
+    return {**students, "drafter": drafter, "parity": parity}
 
-    report = {
-        "agreement": results,
-        "clip_ratio_mean": clip_ratios,
-        "training": {"steps": config.steps, "wall_s": round(train_s, 2),
-                     "s_per_step": round(train_s / max(config.steps, 1), 4), "device": device.type,
-                     "first_loss": history[0]["loss"] if history else None,
-                     "last_loss": history[-1]["loss"] if history else None},
-        "history": history,
-        "answers": {"source": answer_report["source"], "stats": answer_report["stats"],
-                    "warnings": answer_report["warnings"]},
-        "captures": {"train": len(train), "eval": len(evals), "capture_point": config.capture_point,
-                     "train_tokens": sum(r["tokens"] for r in train.rows), "eval_tokens": sum(r["tokens"] for r in evals.rows)},
-        "input_ranges": ranges,
-        "parity": parity,
-        "drafter": drafter,
-        "phases": phase.rows,
-        "wall_s": round(time.perf_counter() - start, 2),
-    }
-    write_json(out / "report.json", report)
-    plot_loss(out / "loss.png", history)
-    plot_agreement(out / "agreement.png", results, config.weight_bits)
-    write_summary(out / "summary.md", report, config.weight_bits)
-    declare_nondeterministic("summary.md", "prints this run's measured seconds per training step")
-    if parity["failure"] and not allow_parity_failure:  # a failed proof moves nothing into place
-        raise ProofFailed(f"qat: parity {parity['failure']}")
+
+def train_students(head, teacher, keep_ids, train, evals, calib: list, sliding_window: int, config: QatConfig, device,
+                   out: Path, phase: Phases) -> dict[str, Any]:
+    """W8 PTQ, W{bits} PTQ (clip search only) and W{bits} QAT, each measured on the eval and train
+    captures. Returns the QAT student (`sim`), the agreement figures, the fixed input ranges,
+    clip ratios and the training history."""
+    from hyco.qat.evaluate import agreement
+    from hyco.qat.lean_qdq import weights_quantized_once
+    from hyco.qat.quantsim import (
+        aimet_config,
+        apply_clip_search,
+        attach_input_quantizers,
+        make_student,
+        recalibrate_activations,
+    )
+    from hyco.qat.train import model_inputs, train_student
+
+    cfg_path = aimet_config(out / "aimet_config.json")
+    example = model_inputs(train[0], sliding_window, device, config.mask_negative)
     bits = config.weight_bits
-    return {"top1": {k: round(v["top1_agreement"], 4) for k, v in results.items()},
-            "qat_minus_ptq_kl": round(results[f"w{bits}_qat"]["kl"] - results[f"w{bits}_ptq"]["kl"], 6),
-            "s_per_step": report["training"]["s_per_step"], "parity": parity,
-            "proof_failed": parity["failure"] and f"parity {parity['failure']}"}
+
+    def measure(sim, captures):
+        return agreement(sim.model, teacher, captures, sliding_window, device, config.mask_negative)
+
+    def calibrated(weight_bits: int):
+        sim = make_student(head, keep_ids, example, weight_bits=weight_bits, activation_bits=config.activation_bits,
+                           config_path=cfg_path, rows=teacher.lm_head)
+        sim.compute_encodings(lambda m, _: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib], None)
+        attach_input_quantizers(sim, ranges)
+        return sim
+
+    # Fixed input ranges first: every student sees the graph's input clipping from here on.
+    with phase("W8 PTQ"):
+        ranges = input_ranges(train, teacher, sliding_window, config.input_percentile, device, config.mask_negative)
+        results = {}
+        sim8 = calibrated(8)
+        with weights_quantized_once(sim8.model):
+            results["w8_ptq"] = measure(sim8, evals)
+        del sim8
+        gc.collect()  # QuantSim's modules hold reference cycles: free the W8 student before the W4 one is built
+    with phase(f"W{bits} PTQ"):
+        sim = calibrated(bits)
+        clip_ratios = apply_clip_search(sim, config.clip_ratio_max, config.clip_ratio_min)
+        with weights_quantized_once(sim.model):
+            results[f"w{bits}_ptq"] = measure(sim, evals)
+            results[f"w{bits}_ptq_train"] = measure(sim, train)
+    with phase(f"W{bits} QAT"):
+        train_start = time.perf_counter()
+        history = train_student(sim, teacher, train, config, sliding_window, device)
+        train_s = time.perf_counter() - train_start
+        recalibrate_activations(sim, lambda m: [m(*model_inputs(c, sliding_window, device, config.mask_negative)) for c in calib])
+        with weights_quantized_once(sim.model):
+            results[f"w{bits}_qat"] = measure(sim, evals)
+            results[f"w{bits}_qat_train"] = measure(sim, train)
+    return {"sim": sim, "results": results, "ranges": ranges, "clip_ratios": clip_ratios, "history": history,
+            "train_s": train_s}
 
 
 def write_float_step(out: Path, head, teacher, keep, kv_shapes, config: QatConfig):
@@ -523,7 +553,7 @@ def plot_agreement(path: Path, results: dict, bits: int) -> None:
     plt.close(fig)
 
 
-def write_summary(path: Path, report: dict, bits: int) -> None:
+def summary_md(report: dict, bits: int) -> str:
     rows = [{"model": k, "top1_agreement": v["top1_agreement"], "kl": v["kl"], "positions": v["positions"]}
             for k, v in report["agreement"].items()]
     tr, par = report["training"], report["parity"]
@@ -545,7 +575,9 @@ def write_summary(path: Path, report: dict, bits: int) -> None:
         f"{split} {s['tokens']} tokens, {s['distinct_tokens']} distinct, top token {s['top_share']:.0%}"
         for split, s in a["stats"].items() if split != "all") + ".\n"
     md += "".join(f"\n**Warning:** {w}\n" for w in a["warnings"])
-    path.write_text(md)
+    if report.get("proof_failed"):
+        md += f"\n**Proof failed** (artifacts kept with --allow-parity-failure): {report['proof_failed']}\n"
+    return md
 
 
 # --- pipeline hooks ------------------------------------------------------------------------------
