@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hyco.io_spec import Role, role_of
+
 
 def cpu_session(path: Path, providers=("CPUExecutionProvider",)):
     """`hyco.ort.ort_session` without the CPU memory arena: with it, a session keeps the
@@ -66,7 +68,7 @@ class SpilledPasses:
 
 def with_mask_value(feeds: dict, negative: float) -> dict:
     """`feeds` with every additive mask input's masked slots (< 0) set to `negative`."""
-    return {k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if k.startswith("mask_") else v)
+    return {k: (np.where(v < 0, np.float32(negative), v).astype(np.float32) if role_of(k) is Role.MASK else v)
             for k, v in feeds.items()}
 
 

@@ -198,14 +198,7 @@ def summarize(top1: list[np.ndarray], kl: list[np.ndarray], sqnr_db: dict[str, f
 
 def to_codes(feeds: dict, spec) -> dict:
     """Float feeds -> the deployable graph's feeds (uint8 KV codes from io_spec's quant params)."""
-    out = {}
-    for t in spec.inputs:
-        x = feeds[t.name]
-        if t.dtype == "uint8" and t.quant:
-            q = t.quant
-            x = np.clip(np.round(x / q["scale"]) + q["zero_point"], 0, 255).astype(np.uint8)
-        out[t.name] = x
-    return out
+    return {t.name: t.to_codes(feeds[t.name]) if t.takes_codes else feeds[t.name] for t in spec.inputs}
 
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase) -> dict[str, Any]:

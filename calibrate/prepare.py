@@ -41,6 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from hyco.io_spec import Role, role_of
 from hyco.onnx_graph import consumers as graph_consumers
 
 FOLD_MAX_ELEMENTS = 4096  # fold constant subgraphs up to this size (shapes, small tables; never weights)
@@ -416,7 +417,7 @@ def split_kv_row_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     where an 8-bit code flip would otherwise move this pass's scores)."""
     model = _copy(model)
     graph = model.graph
-    names = [o.name for o in graph.output if o.name.startswith(("new_k_", "new_v_"))]
+    names = [o.name for o in graph.output if role_of(o.name) is Role.NEW_KV]
     producer = {o: n for n in graph.node for o in n.output}
     out = []
     for node in graph.node:

@@ -32,6 +32,7 @@ import numpy as np
 from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, read_json, write_json
 from hyco.errors import HycoError
 from hyco.heap import return_large_blocks
+from hyco.io_spec import Role, role_of
 from hyco.recipe import CalibrateConfig, Recipe, to_dict
 
 SLM_GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
@@ -207,7 +208,7 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
 
     overrides, ranges = {}, {}
     producer = {o: n for n in graph.graph.node for o in n.output}
-    ring_inputs = [i.name for i in graph.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
+    ring_inputs = [i.name for i in graph.graph.input if role_of(i.name) is Role.KV_RING]
     for ring in ring_inputs:
         kind, layer = ring.split("_ring_")
         new = f"new_{kind}_{layer}"
@@ -299,7 +300,7 @@ def input_grids(convert: Path, names: set[str]) -> dict[str, tuple[float, int]]:
     from hyco.grids import uint16_grid
     from hyco.host import EmbeddingLut
 
-    ranges = {n: (-1.0, 1.0) for n in names if n.startswith(("cos_", "sin_"))}
+    ranges = {n: (-1.0, 1.0) for n in names if role_of(n) is Role.ROPE}
     for name, lut in (("embeds", "embed_tokens"), ("per_layer_embeds", "embed_tokens_per_layer")):
         if name in names:
             ranges[name] = EmbeddingLut.open(_need(convert / "luts" / f"{lut}.safetensors", "convert LUT")).value_range()
@@ -343,7 +344,7 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
     picked = subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)
     feeds = [with_mask_value(f, negative) for f, _ in picked]
     overrides, kv_ranges = kv_overrides(prepared, feeds, [o for _, o in picked], config)
-    masks = [i.name for i in prepared.graph.input if i.name.startswith("mask_")]
+    masks = [i.name for i in prepared.graph.input if role_of(i.name) is Role.MASK]
     # also the tensors after an input's moves: the quantizer quantizes there instead (cos -> Unsqueeze)
     gridded = {t: grid for name, grid in grids.items() for t in moved_copies(prepared.graph, name)}
     del picked, prepared
@@ -386,8 +387,8 @@ def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negativ
     model = load_graph(parity)
     if g != "mtp":
         model = drop_outputs(model, {"logits"})
-    kv_in = [i.name for i in model.graph.input if i.name.startswith(("k_ring_", "v_ring_"))]
-    kv_out = [o.name for o in model.graph.output if o.name.startswith(("new_k_", "new_v_"))]
+    kv_in = [i.name for i in model.graph.input if role_of(i.name) is Role.KV_RING]
+    kv_out = [o.name for o in model.graph.output if role_of(o.name) is Role.NEW_KV]
     save_streamed(kv_io_uint8(model, kv_in, kv_out), parity.parent, out / OUT_NAMES[g])
     model = load_graph(out / OUT_NAMES[g])  # scales back in memory, weights on disk
     return {"bitexact": weights_bitexact(load_graph(source), model, folders=(source.parent, out)),
@@ -437,7 +438,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
         feeds = [f for b in bursts for f, _ in b]
     overrides = {}
     for name, (scale, zero) in input_params.items():
-        if name.startswith("mask_"):
+        if role_of(name) is Role.MASK:
             scale, zero = mask_qparams(negative)
         overrides[name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(scale, np.float32), "zero_point": np.array(zero, np.uint16)}]
     widened = htp_range_overrides(ranges, overrides)
@@ -672,7 +673,7 @@ def quantized_spec(base, name: str, qparams: dict[str, dict], negative: float, p
 
     def tensor(t):
         q = qparams.get(t.name)
-        dtype = "uint8" if t.name.startswith(("k_ring_", "v_ring_", "new_k_", "new_v_")) else t.dtype
+        dtype = "uint8" if t.role in (Role.KV_RING, Role.NEW_KV) else t.dtype
         return dataclasses.replace(t, dtype=dtype, quant=q)
 
     inputs = tuple(tensor(t) for t in base.inputs)

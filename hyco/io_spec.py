@@ -6,6 +6,7 @@ than from hard-coded names. Shapes are fixed (static graphs); dtypes use numpy n
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,28 @@ import numpy as np
 
 from hyco.artifacts import read_json, write_json
 from hyco.errors import HycoError
+
+
+class Role(enum.Enum):
+    """What a graph tensor is to the host that feeds and reads it."""
+
+    KV_RING = "KV ring in"  # k_ring_L / v_ring_L: the host's ring, fed every pass
+    NEW_KV = "new KV out"  # new_k_L / new_v_L: this pass's rows, written into the ring
+    MASK = "mask"  # mask_full / mask_sliding: additive attention masks
+    ROPE = "rope"  # cos_* / sin_*: rotary rows from the host's tables
+    TOPK = "top-k"  # topk_logprobs / topk_indices / topk_ids
+    LOGITS = "logits"
+    ROWS = "rows"  # everything else: token and per-layer rows, hidden states, parity taps
+
+
+_ROLE_PREFIXES = ((("k_ring_", "v_ring_"), Role.KV_RING), (("new_k_", "new_v_"), Role.NEW_KV),
+                  (("mask_",), Role.MASK), (("cos_", "sin_"), Role.ROPE), (("topk_",), Role.TOPK),
+                  (("logits",), Role.LOGITS))
+
+
+def role_of(name: str) -> Role:
+    """The role of a graph tensor, from the names convert and qat give their graphs' tensors."""
+    return next((role for prefixes, role in _ROLE_PREFIXES if name.startswith(prefixes)), Role.ROWS)
 
 
 @dataclass(frozen=True)
@@ -30,6 +53,27 @@ class TensorSpec:
 
     def zeros(self) -> np.ndarray:
         return np.zeros(self.shape, dtype=self.dtype)
+
+    @property
+    def role(self) -> Role:
+        return role_of(self.name)
+
+    @property
+    def takes_codes(self) -> bool:
+        """The graph itself takes or returns this tensor's integer codes (not float values)."""
+        return self.quant is not None and self.dtype in ("uint8", "uint16")
+
+    def to_codes(self, values: np.ndarray) -> np.ndarray:
+        """Float values -> codes on the tensor's grid, as ONNX QuantizeLinear computes them
+        (float32 division, round half to even, saturate to the code type)."""
+        q, info = self.quant, np.iinfo(self.dtype)
+        codes = np.rint(np.asarray(values, np.float32) / np.float32(q["scale"])) + q["zero_point"]
+        return np.clip(codes, info.min, info.max).astype(self.dtype)
+
+    def from_codes(self, codes: np.ndarray) -> np.ndarray:
+        """Codes -> float32 values, as ONNX DequantizeLinear computes them."""
+        q = self.quant
+        return (np.asarray(codes).astype(np.float32) - np.float32(q["zero_point"])) * np.float32(q["scale"])
 
     def check(self, array: np.ndarray, graph: str) -> None:
         if tuple(array.shape) != self.shape or str(array.dtype) != self.dtype:

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from hyco.io_spec import Role, role_of
+
 TOPK_OUTPUTS = (("topk_logprobs", "topk_indices"), ("topk_logprobs", "topk_ids"))
 
 
@@ -40,7 +42,7 @@ class PassLog:
                     ties += 1
                 else:
                     mismatches += 1
-        kv = [float(np.abs(a[n].astype(np.float64) - b[n]).max()) for n in names if n.startswith("new_")]
+        kv = [float(np.abs(a[n].astype(np.float64) - b[n]).max()) for n in names if role_of(n) is Role.NEW_KV]
         self.rows.append({"role": role, "rows": int(ids_c.shape[0]), "id_mismatches": mismatches, "tie_swaps": ties,
                           "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()), "bound": bound,
                           "ids_equal_rows": int((ids_h == ids_c).all(-1).sum()),

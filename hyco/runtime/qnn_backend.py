@@ -23,7 +23,7 @@ import torch
 from hyco.artifacts import read_json
 from hyco.errors import HycoError
 from hyco.grids import clamp_to_grid
-from hyco.io_spec import GRAPHS, GraphSpec, TensorSpec, read_io_spec
+from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec
 from hyco.runtime.mtp_onnx import MtpChainOnnx
 from hyco.runtime.slm_onnx import SlmOnnx
 
@@ -107,12 +107,8 @@ class GraphSession:
 
 def float_view(spec: GraphSpec) -> GraphSpec:
     """The graph as the host drivers see it: integer-code I/O (calibrate's uint8 KV) as float32."""
-    view = lambda ts: tuple(replace(t, dtype="float32") if _codes(t) else t for t in ts)
+    view = lambda ts: tuple(replace(t, dtype="float32") if t.takes_codes else t for t in ts)
     return replace(spec, inputs=view(spec.inputs), outputs=view(spec.outputs))
-
-
-def _codes(t: TensorSpec) -> bool:
-    return t.quant is not None and t.dtype in ("uint8", "uint16")
 
 
 class CodesSession:
@@ -122,24 +118,18 @@ class CodesSession:
 
     def __init__(self, session, spec: GraphSpec):
         self.session = session
-        self.inputs = {t.name: t for t in spec.inputs if _codes(t)}
-        self.outputs = {t.name: t for t in spec.outputs if _codes(t)}
-        self.clamped = {t.name: t.quant for t in spec.inputs if t.quant is not None and not _codes(t)}
+        self.inputs = {t.name: t for t in spec.inputs if t.takes_codes}
+        self.outputs = {t.name: t for t in spec.outputs if t.takes_codes}
+        self.clamped = {t.name: t.quant for t in spec.inputs if t.quant is not None and not t.takes_codes}
 
     def run(self, names, feeds):
         feeds = dict(feeds)
         for name, quant in self.clamped.items():  # the HTP wraps a float input beyond its grid
             feeds[name] = clamp_to_grid(feeds[name], quant)
         for name, t in self.inputs.items():
-            q, info = t.quant, np.iinfo(t.dtype)
-            codes = np.rint(feeds[name].astype(np.float64) / q["scale"]) + q["zero_point"]
-            feeds[name] = np.clip(codes, info.min, info.max).astype(t.dtype)
+            feeds[name] = t.to_codes(feeds[name])
         out = self.session.run(names, feeds)
-        for i, name in enumerate(names):
-            if name in self.outputs:
-                q = self.outputs[name].quant
-                out[i] = ((out[i].astype(np.float32) - np.float32(q["zero_point"])) * np.float32(q["scale"]))
-        return out
+        return [self.outputs[name].from_codes(o) if name in self.outputs else o for name, o in zip(names, out, strict=True)]
 
 
 class BundleSessions:
