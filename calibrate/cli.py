@@ -4,11 +4,10 @@ wrapper over `hyco.calibrate.stage.calibrate`)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-from hyco.recipe import CalibrateConfig, to_dict
+from hyco.recipe import CalibrateConfig, add_set_option, section_config, to_dict
 
 _DEFAULT = CalibrateConfig()
 
@@ -37,6 +36,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-parity-failure", action="store_true",
                    help="keep the graphs although a proof failed (fidelity, HTP vs CPU; manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    add_set_option(p, "calibrate")
     p.set_defaults(func=_cmd_calibrate)
 
 
@@ -47,7 +47,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from hyco.errors import HycoError
 
     try:
-        config = dataclasses.replace(_DEFAULT, prompts=args.prompts, eval_prompts=args.eval_prompts,
+        config = section_config(_DEFAULT, "calibrate", args.set, prompts=args.prompts, eval_prompts=args.eval_prompts,
                                      activation_calibration=args.calibration, activation_percentile=args.percentile,
                                      htp_check=not args.no_htp_check)
     except ValueError as e:

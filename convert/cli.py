@@ -4,11 +4,10 @@ over `hyco.convert.stage.convert`)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-from hyco.recipe import ConvertConfig, to_dict
+from hyco.recipe import ConvertConfig, add_set_option, section_config, to_dict
 
 _DEFAULT = ConvertConfig()
 
@@ -36,6 +35,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-parity-failure", action="store_true",
                    help="write the artifacts although the bit-exact or parity proof failed (manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    add_set_option(p, "convert")
     p.set_defaults(func=_cmd_convert)
 
 
@@ -49,7 +49,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from hyco.artifacts import run_stage, stage_state
 
     try:
-        config = dataclasses.replace(_DEFAULT, rows=args.rows, prefill_chunk=args.prefill_chunk,
+        config = section_config(_DEFAULT, "convert", args.set, rows=args.rows, prefill_chunk=args.prefill_chunk,
                                      ring_full=args.ring_full, ring_sliding=args.ring_sliding, topk=args.topk,
                                      parity=not args.no_parity, float_linear_bits=args.float_linear_bits)
     except ValueError as e:

@@ -6,11 +6,10 @@ thin wrappers over `hyco.export.stage.export`, `hyco.export.hub.hub_export` and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-from hyco.recipe import HTP_OPTIMIZATION_LEVELS, ExportConfig, to_dict
+from hyco.recipe import HTP_OPTIMIZATION_LEVELS, ExportConfig, add_set_option, section_config, to_dict
 
 _DEFAULT = ExportConfig()
 
@@ -49,6 +48,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token)")
     p.add_argument("--device", default=_DEFAULT.device, help="qai-hub device name")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    add_set_option(p, "export")
     p.set_defaults(func=_cmd_export)
 
     s = sub.add_parser(
@@ -80,7 +80,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from hyco.errors import HycoError
 
     try:
-        config = dataclasses.replace(_DEFAULT, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
+        config = section_config(_DEFAULT, "export", args.set, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
                                      max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts,
                                      smoke_rounds=args.smoke_rounds, htp_optimization_level=args.htp_optimization_level,
                                      share_contexts=args.share_contexts)

@@ -462,6 +462,25 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+def add_set_option(parser, section: str) -> None:
+    """`--set SECTION.KEY=VALUE` on a stage subcommand: every key of its recipe section, with
+    the defaults and checks of the recipe dataclass (one place), not only the flags it spells out."""
+    parser.add_argument("--set", action="append", default=[], metavar=f"{section}.KEY=VALUE",
+                        help=f"any key of the recipe's {section} section (repeatable), applied after the flags")
+
+
+def section_config(default: Any, section: str, sets: list[str] | None = None, **flags: Any) -> Any:
+    """A stage subcommand's config: the section dataclass's defaults, the subcommand's flags, then
+    its `--set section.key=value` overrides, typed and checked as a recipe file's section is."""
+    data = {**to_dict(default), **to_dict(flags)}
+    for text in sets or ():
+        keys, value = parse_override(text)
+        if len(keys) != 2 or keys[0] != section:
+            raise HycoError(f"--set {text}: this subcommand takes {section}.KEY=VALUE (its recipe section)")
+        data[keys[1]] = value
+    return from_dict(type(default), data, f"{section} (flags and --set)")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`qat.steps=5` -> (["qat", "steps"], 5); the value is read as YAML."""
     if "=" not in text:

@@ -4,11 +4,10 @@ over `hyco.qat.stage.build_qat`)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from hyco.errors import HycoError
-from hyco.recipe import QatConfig, to_dict
+from hyco.recipe import QatConfig, add_set_option, section_config, to_dict
 
 _DEFAULT = QatConfig()
 
@@ -41,6 +40,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-parity-failure", action="store_true",
                    help="write the artifacts although the step graph's parity proof failed (manifest marked, warning)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    add_set_option(p, "qat")
     p.set_defaults(func=_cmd_qat)
 
 
@@ -51,8 +51,8 @@ def _cmd_qat(args: argparse.Namespace) -> int:
     from hyco.launch import run_split
 
     try:
-        config = dataclasses.replace(
-            _DEFAULT, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        config = section_config(
+            _DEFAULT, "qat", args.set, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
             calibration_sequences=args.calibration_sequences,
             capture_point=args.capture_point, window=args.window, bf16_autocast=args.bf16_autocast, seed=args.seed)
     except ValueError as e:

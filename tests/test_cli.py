@@ -47,6 +47,27 @@ def test_every_stage_with_a_proof_takes_the_one_failure_flag():
         assert not {f for f in flags if f.startswith("--allow-") and f != "--allow-parity-failure"}, command
 
 
+def test_every_stage_subcommand_takes_its_recipe_section_through_set():
+    """Defaults live in the recipe dataclasses: a stage subcommand's flags and `--set section.key=value`
+    build the same typed, checked config a recipe file's section does."""
+    from hyco.errors import HycoError
+    from hyco.recipe import CalibrateConfig, ExportConfig, section_config
+
+    parser = build_parser()
+    choices = next(a for a in parser._actions if a.dest == "command").choices
+    for command in ("vocab", "answers", "convert", "qat", "calibrate", "export"):
+        assert any("--set" in a.option_strings for a in choices[command]._actions), command
+    config = section_config(CalibrateConfig(), "calibrate", ["calibrate.fidelity_seeds=1", "calibrate.sqnr_passes=2"],
+                            prompts=7)
+    assert (config.prompts, config.fidelity_seeds, config.sqnr_passes) == (7, 1, 2)
+    assert config.eval_prompts == CalibrateConfig().eval_prompts
+    assert section_config(ExportConfig(), "export", ["export.share_contexts=true"]).share_contexts is True
+    for bad, message in (("qat.steps=3", "takes calibrate.KEY=VALUE"), ("calibrate.no_such_key=1", "unknown key"),
+                         ("calibrate.prompts=many", "must be an integer")):
+        with pytest.raises(HycoError, match=message):
+            section_config(CalibrateConfig(), "calibrate", [bad])
+
+
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "hyco.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "run" in out.stdout

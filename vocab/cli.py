@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from hyco.chat import PACKAGED, SCHEMAS
 from hyco.errors import HycoError
-from hyco.recipe import DatasetConfig, VocabConfig, to_dict
+from hyco.recipe import DatasetConfig, VocabConfig, add_set_option, section_config, to_dict
 
 _DEFAULT = VocabConfig()
 
@@ -47,6 +46,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=_DEFAULT.seed, help="seed of the conversation selection")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    add_set_option(p, "vocab")
     p.set_defaults(func=_cmd_vocab)
 
 
@@ -56,8 +56,8 @@ def _cmd_vocab(args: argparse.Namespace) -> int:
     from hyco.artifacts import run_stage, stage_state
 
     try:
-        config = dataclasses.replace(
-            _DEFAULT, size=args.size, count_conversations=args.count_conversations,
+        config = section_config(
+            _DEFAULT, "vocab", args.set, size=args.size, count_conversations=args.count_conversations,
             reserved_train=args.reserved_train, reserved_eval=args.reserved_eval,
             heldout_conversations=args.heldout_conversations, seed=args.seed,
             keep_placeholders=args.keep_placeholders,

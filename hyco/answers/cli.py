@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from hyco.answers import SOURCES
 from hyco.errors import HycoError
-from hyco.recipe import AnswersConfig, to_dict
+from hyco.recipe import AnswersConfig, add_set_option, section_config, to_dict
 
 _DEFAULT = AnswersConfig()
 
@@ -37,6 +36,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=_DEFAULT.top_p, help="sampled source")
     p.add_argument("--seed", type=int, default=_DEFAULT.seed, help="sampled source: prompt i uses seed + i")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    add_set_option(p, "answers")
     p.set_defaults(func=_cmd_answers)
 
 
@@ -46,7 +46,7 @@ def _cmd_answers(args: argparse.Namespace) -> int:
     from hyco.launch import run_split
 
     try:
-        config = dataclasses.replace(_DEFAULT, source=args.source, max_new_tokens_train=args.max_new_tokens_train,
+        config = section_config(_DEFAULT, "answers", args.set, source=args.source, max_new_tokens_train=args.max_new_tokens_train,
                                      max_new_tokens_eval=args.max_new_tokens_eval,
                                      max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
