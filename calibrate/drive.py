@@ -112,19 +112,17 @@ def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None =
     # graphs with the arena on, slow and a GB-sized transient per fidelity driver at E2B size.
     open_session = (lambda name: None) if sessions else (lambda name: cpu_session(Path(convert_dir) / name))
     slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9, open_session=open_session)
-    sessions = sessions or {"tree": slm.tree_session, "prefill": slm.prefill_session}
+    sessions = sessions or dict(slm.sessions)
     def store(graph: str):
         return SpilledPasses(Path(spill) / graph) if spill is not None else []
 
-    slm.tree_session = Recorder(sessions["tree"], "tree", store("tree"), mask_negative=mask_negative,
-                                output_prefixes=output_prefixes)
-    slm.prefill_session = Recorder(sessions["prefill"], "prefill", store("prefill"), mask_negative=mask_negative,
-                                   output_prefixes=output_prefixes)
+    slm.sessions = {g: Recorder(sessions[g], g, store(g), mask_negative=mask_negative, output_prefixes=output_prefixes)
+                    for g in ("tree", "prefill")}
     run = slm._run
 
-    def counted(session, spec, tokens, parents):  # the driver knows which rows are padding
-        out = run(session, spec, tokens, parents)
-        session.active.append(len(tokens))
+    def counted(graph, tokens, parents):  # the driver knows which rows are padding
+        out = run(graph, tokens, parents)
+        slm.sessions[graph].active.append(len(tokens))
         return out
 
     slm._run = counted

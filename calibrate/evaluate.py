@@ -224,22 +224,22 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
         f_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref], mask_negative=negative,
                             spill=tmp / "evaluated" / "float", script=script)
         for g in SLM_GRAPHS:
-            rec = getattr(f_slm, f"{g}_session")
+            rec = f_slm.sessions[g]
             picks[g] = np.linspace(0, len(rec.active) - 1, min(config.sqnr_passes, len(rec.active))).astype(int).tolist()
             ref_taps[g] = layer_taps(ref[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
-        f_slm.tree_session.session = f_slm.prefill_session.session = ref = None  # only their passes are read below
+        f_slm.sessions["tree"].session = f_slm.sessions["prefill"].session = ref = None  # only their passes are read below
     with phase("fidelity: QDQ SLM passes"):
         qdq = sessions(out, PARITY_NAMES, "qdq")
         q_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[qdq], mask_negative=negative,
                             spill=tmp / "evaluated" / "qdq", replay=script)
         for g in SLM_GRAPHS:  # the float driver's feeds: each pass's own quantization error, no KV drift
-            rec = getattr(f_slm, f"{g}_session")
+            rec = f_slm.sessions[g]
             q_taps[g] = layer_taps(qdq[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
-        q_slm.tree_session.session = q_slm.prefill_session.session = qdq = None
+        q_slm.sessions["tree"].session = q_slm.sessions["prefill"].session = qdq = None
     results, htp_feeds = {}, {}
     for g, name in SLM_GRAPHS.items():
-        f_rec = getattr(f_slm, f"{g}_session")
-        q_rec = getattr(q_slm, f"{g}_session")
+        f_rec = f_slm.sessions[g]
+        q_rec = q_slm.sessions[g]
         with phase(f"fidelity: {g} metrics and SQNR"):
             top1, kl, rows, margins, topk_err = [], [], [], [], []
             k = int(inputs["convert_specs"][name].meta.get("topk", 8))

@@ -253,8 +253,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     with phase("record float passes"):
         slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
                          spill=tmp / "recorded")[0]
-        recorded = {g: (s.passes.folder, len(s.passes)) for g, s in (("tree", slm.tree_session),
-                                                                    ("prefill", slm.prefill_session))}
+        recorded = {g: (slm.sessions[g].passes.folder, len(slm.sessions[g].passes)) for g in ("tree", "prefill")}
         del slm  # its two float sessions hold both graphs' weights (one graph in memory at a time)
         gc.collect()  # the driver's hook on its own _run is a reference cycle: GBs until a collection
     result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}

@@ -50,10 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from hyco.host import (
-    EmbeddingLut,
-    KVRing,
     Rope,
-    build_feeds,
+    SlmHost,
     chain_ancestors,
     prompt_window,
     tree_ancestors,
@@ -175,42 +173,31 @@ class PassRecord:
     taps: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # point -> (x, code)
 
 
-class GraphRunner:
-    """Drives a prefill graph and a tree graph that share one KV ring.
-
-    With `points` (graphs from `parity_build`), every pass feeds its nudges (`nudges[pass][point]`,
-    zeros where absent) and records its SRQ taps in `passes`."""
+class GraphRunner(SlmHost):
+    """Drives a prefill graph and a tree graph that share one KV ring (`hyco.host.SlmHost`, the
+    runtime's own loop), plus what parity needs: with `points` (graphs from `parity_build`),
+    every pass feeds its nudges (`nudges[pass][point]`, zeros where absent) and records its SRQ
+    taps in `passes`."""
 
     def __init__(self, folder: Path, specs: dict[str, GraphSpec], luts: Path, rope: Rope,
                  prefill: str = "prefill.onnx", tree: str = "tree.onnx", points: list[SrqPoint] | None = None,
                  nudges: dict | None = None, sessions: dict | None = None):
-        self.specs = {"prefill": specs[prefill], "tree": specs[tree]}
-        self.sessions = sessions or {"prefill": ort_session(folder / prefill), "tree": ort_session(folder / tree)}
-        meta = self.specs["tree"].meta
-        self.ring = KVRing.from_meta(meta)
-        self.num_layers = meta["num_layers"]
-        self.embed = EmbeddingLut.open(luts / "embed_tokens.safetensors")
-        ple = luts / "embed_tokens_per_layer.safetensors"
-        self.per_layer = EmbeddingLut.open(ple) if ple.is_file() else None
-        self.rope = rope
+        super().__init__({"prefill": specs[prefill], "tree": specs[tree]},
+                         sessions or {"prefill": ort_session(folder / prefill), "tree": ort_session(folder / tree)},
+                         luts, rope)
         self.points = points or []
         self.nudges = nudges or {}
         self.passes: list[PassRecord] = []
         self.length = 0  # committed tokens in the ring
 
     def run(self, graph: str, tokens, positions, ancestors, active, runs=None) -> dict[str, np.ndarray]:
-        spec = self.specs[graph]
-        rows = spec.meta["rows"]
-        self.ring.rows = rows
-        feeds = build_feeds(self.embed, self.per_layer, self.rope, self.ring, tokens, positions, ancestors, active,
-                            num_layers=self.num_layers)
-        spec.check_feeds(feeds)
+        rows = self.specs[graph].meta["rows"]
+        feeds = self.feeds(graph, tokens, positions, ancestors, active)
         nudges = self.nudges.get(len(self.passes), {})
         for p in self.points:
             feeds[p.nudge] = nudges.get(p.index, np.zeros((rows, p.width), np.float32))
         session = self.sessions[graph]
-        values = session.run(None, feeds)
-        out = dict(zip([o.name for o in session.get_outputs()], values, strict=True))
+        out = super().run(graph, feeds, [o.name for o in session.get_outputs()])
         runs = np.zeros(rows, np.int64) if runs is None else np.asarray(runs)
         self.passes.append(PassRecord(graph, np.asarray(positions), np.asarray(active, bool), runs, out["logits"],
                                       {p.index: (out[p.x], out[p.code]) for p in self.points}))

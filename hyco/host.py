@@ -22,7 +22,9 @@ The whole API (what runtime_check/ and a phone port need):
   tokens at their absolute positions, which start at `start_position`, not 0.
 - `build_feeds(embed, per_layer, rope, ring, token_ids, positions, ancestors, active,
   num_layers)`: every input of one pass (check it with `GraphSpec.check_feeds`).
-  `hyco.convert.parity.GraphRunner` shows the whole loop (prefill chunks, tree, chain decode).
+- `SlmHost(specs, sessions, luts, rope)`: the loop around the tree and prefill graphs that share
+  one ring (`feeds`, `run`, `write`); the runtime's `SlmOnnx` and convert's parity
+  `GraphRunner` both drive the graphs through it.
 
 Which graph meta the host needs (io_spec.json, `meta` of each graph): `rows`, `num_layers`,
 `rings` (owner layer, type, kv_heads, head_dim, slots), `windows`, `mask_negative`,
@@ -41,6 +43,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -309,3 +312,36 @@ def build_feeds(embed: EmbeddingLut, per_layer: EmbeddingLut | None, rope: Rope,
     feeds.update(ring.feeds())
     return feeds
 
+
+class SlmHost:
+    """The phone's host loop around the SLM's tree and prefill graphs, which share one KV ring:
+    each pass's feeds from the LUTs, rotary tables, ring and masks (io_spec's names and shapes),
+    the pass itself, and the ring written back with the rows the caller commits. `specs` and
+    `sessions` are keyed "tree" and "prefill"; a session has onnxruntime's `run(names, feeds)`."""
+
+    def __init__(self, specs: dict[str, Any], sessions: dict[str, Any], luts: Path, rope: Rope):
+        self.specs, self.sessions, self.rope = specs, sessions, rope
+        meta = specs["tree"].meta
+        self.ring = KVRing.from_meta(meta)
+        self.num_layers = int(meta["num_layers"])
+        self.embed = EmbeddingLut.open(Path(luts) / "embed_tokens.safetensors")
+        per_layer = Path(luts) / "embed_tokens_per_layer.safetensors"
+        self.per_layer = EmbeddingLut.open(per_layer) if per_layer.is_file() else None
+
+    def feeds(self, graph: str, tokens, positions, ancestors, active) -> dict[str, np.ndarray]:
+        spec = self.specs[graph]
+        self.ring.rows = spec.meta["rows"]  # one ring serves both graphs; only the row count differs
+        feeds = build_feeds(self.embed, self.per_layer, self.rope, self.ring, tokens, positions, ancestors, active,
+                            self.num_layers)
+        inputs = {t.name for t in spec.inputs}
+        feeds = {k: v for k, v in feeds.items() if k in inputs}
+        spec.check_feeds(feeds)
+        return feeds
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """One pass; `names`: the outputs to fetch (default: io_spec's)."""
+        names = names or [t.name for t in self.specs[graph].outputs]
+        return dict(zip(names, self.sessions[graph].run(names, feeds), strict=True))
+
+    def write(self, outputs: dict[str, np.ndarray], rows, positions) -> None:
+        self.ring.write(outputs, rows, positions)

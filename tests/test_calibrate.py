@@ -648,7 +648,7 @@ def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated, mo
         assert np.array_equal(a, b)
     keep = load_keep_set(Path(tiny_calibrated) / "vocab" / "keep_set.json").token_ids
     slm = slm_driver(convert, np.asarray(keep))
-    assert slm.tree_session.session.get_session_options().enable_cpu_mem_arena is False
+    assert slm.sessions["tree"].session.get_session_options().enable_cpu_mem_arena is False
     # a driver handed its sessions opens none of its own (it used to open and drop both graphs)
     import hyco.calibrate.drive as drive
 
@@ -659,7 +659,7 @@ def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated, mo
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, **k: opened.append(a) or _real(*a, **k))
     given = slm_driver(convert, np.asarray(keep), {"tree": sess, "prefill": sess})
-    assert opened == [] and given.tree_session.session is sess and given.prefill_session.session is sess
+    assert opened == [] and given.sessions["tree"].session is sess and given.sessions["prefill"].session is sess
     slm_driver(convert, np.asarray(keep))
     assert len(opened) == 2  # the counting above does count
     # the calibration recording keeps only the outputs it reads (no logits)
@@ -684,7 +684,7 @@ def test_spilled_recording_reads_back_what_the_in_memory_one_holds(tiny_calibrat
     convert = Path(tiny_calibrated) / "convert"
     keep = np.asarray(load_keep_set(Path(tiny_calibrated) / "vocab" / "keep_set.json").token_ids)
     memory, spilled = slm_driver(convert, keep), slm_driver(convert, keep, spill=tmp_path / "passes")
-    assert isinstance(spilled.tree_session.passes, SpilledPasses)
+    assert isinstance(spilled.sessions["tree"].passes, SpilledPasses)
     lockstep([memory, spilled], [2, 40, 41, 42, 43], [50, 51, 52, 53, 54, 55], chain_depth=2, topk=4,
              rng=np.random.default_rng(0))
     for graph in ("tree", "prefill"):
@@ -700,10 +700,10 @@ def test_spilled_recording_reads_back_what_the_in_memory_one_holds(tiny_calibrat
             replayed = session.run(list(outputs), feeds)
             assert all(np.array_equal(r, outputs[n]) for r, n in zip(replayed, outputs, strict=True))
     # the ring did change between the passes compared (else the replay proves nothing)
-    first, last = spilled.prefill_session.passes[0][0], spilled.tree_session.passes[-1][0]
+    first, last = spilled.sessions["prefill"].passes[0][0], spilled.sessions["tree"].passes[-1][0]
     assert any(not np.array_equal(first[k], last[k]) for k in first if k.startswith("k_ring_"))
     with pytest.raises(IndexError):
-        spilled.tree_session.passes[len(spilled.tree_session.passes)]
+        spilled.sessions["tree"].passes[len(spilled.sessions["tree"].passes)]
 
 
 def _augmented(model: onnx.ModelProto, folder: Path) -> Path:

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from hyco.errors import HycoError
-from hyco.host import EmbeddingLut, KVRing, Rope, build_feeds, tree_ancestors, tree_positions
+from hyco.host import Rope, SlmHost, tree_ancestors, tree_positions
 from hyco.io_spec import read_io_spec
 from hyco.ort import ort_session
 from hyco.runtime.tree import DraftTree
 
 
-class SlmOnnx:
+class SlmOnnx(SlmHost):
     def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, ring_full: int | None = None,
                  graphs: tuple[str, str] = ("tree.onnx", "prefill.onnx"), open_session=None):
         """`graphs`: the tree and prefill graphs' io_spec keys; `open_session(key)` returns an
@@ -46,39 +46,29 @@ class SlmOnnx:
                             f"but the check expects convert.ring_full {ring_full}")
         self.keep_ids = keep_ids.numpy() if keep_ids is not None else None
         open_session = open_session or (lambda name: ort_session(convert_dir / name))
-        self.tree_session, self.prefill_session = open_session(graphs[0]), open_session(graphs[1])
-        self.embed = EmbeddingLut.open(convert_dir / "luts" / "embed_tokens.safetensors")
-        per_layer = convert_dir / "luts" / "embed_tokens_per_layer.safetensors"
-        self.per_layer = EmbeddingLut.open(per_layer) if per_layer.is_file() else None
-        self.rope = Rope.from_json(convert_dir / "rope.json")
-        self.ring = KVRing.from_meta(meta)
-        self.num_layers = int(meta["num_layers"])
+        super().__init__({"tree": self.tree_spec, "prefill": self.prefill_spec},
+                         {"tree": open_session(graphs[0]), "prefill": open_session(graphs[1])},
+                         convert_dir / "luts", Rope.from_json(convert_dir / "rope.json"))
         self.max_prompt = min(max_prompt, int(meta.get("max_prompt", max_prompt)))
         self.committed = 0
         self.backlog: list[int] = []
 
-    def _run(self, session, spec, tokens: list[int], parents: list[int]) -> dict[str, np.ndarray]:
-        rows = spec.meta["rows"]
+    def _run(self, graph: str, tokens: list[int], parents: list[int]) -> dict[str, np.ndarray]:
+        rows = self.specs[graph].meta["rows"]
         n = len(tokens)
         pad = rows - n
         parents = list(parents) + [-1] * pad
-        ancestors = tree_ancestors(parents)
         positions = tree_positions(parents, self.committed)
-        active = np.arange(rows) < n
-        self.ring.rows = rows  # one ring serves both graphs; only the row count differs
-        feeds = build_feeds(self.embed, self.per_layer, self.rope, self.ring, list(tokens) + [0] * pad,
-                            positions, ancestors, active, self.num_layers)
-        feeds = {k: v for k, v in feeds.items() if k in {t.name for t in spec.inputs}}
-        spec.check_feeds(feeds)
-        names = [t.name for t in spec.outputs]
+        feeds = self.feeds(graph, list(tokens) + [0] * pad, positions, tree_ancestors(parents), np.arange(rows) < n)
+        session = self.sessions[graph]
         if hasattr(session, "active_rows"):  # smoke's comparing session: padding rows' outputs are never read
             session.active_rows = n
-        out = dict(zip(names, session.run(names, feeds), strict=True))
+        out = self.run(graph, feeds)
         out["positions"] = positions
         return out
 
     def _write(self, out: dict[str, np.ndarray], count: int) -> None:
-        self.ring.write(out, np.arange(count), out["positions"][:count])
+        self.write(out, np.arange(count), out["positions"][:count])
         self.committed += count
 
     def start(self, prompt: list[int]) -> None:
@@ -87,7 +77,7 @@ class SlmOnnx:
         chunk = self.prefill_spec.meta["rows"]
         for start in range(0, len(kept), chunk):
             piece = kept[start:start + chunk]
-            out = self._run(self.prefill_session, self.prefill_spec, piece, [-1] + list(range(len(piece) - 1)))
+            out = self._run("prefill", piece, [-1] + list(range(len(piece) - 1)))
             self._write(out, len(piece))
 
     def commit(self, tokens: list[int]) -> None:
@@ -96,7 +86,7 @@ class SlmOnnx:
     def propose(self, tree: DraftTree, nodes: list[int], topk: int) -> dict[int, tuple[list[int], list[float]]]:
         rows = self.tree_spec.meta["rows"]
         if len(self.backlog) + len(tree) > rows:  # no room: the backlog takes a pass of its own
-            out = self._run(self.tree_session, self.tree_spec, self.backlog, [-1] + list(range(len(self.backlog) - 1)))
+            out = self._run("tree", self.backlog, [-1] + list(range(len(self.backlog) - 1)))
             self._write(out, len(self.backlog))
             self.backlog = []
         if len(tree) > rows:
@@ -104,7 +94,7 @@ class SlmOnnx:
         lead = len(self.backlog)
         tokens = self.backlog + tree.tokens
         parents = [i - 1 for i in range(lead)] + [p + lead if p >= 0 else lead - 1 for p in tree.parents]
-        out = self._run(self.tree_session, self.tree_spec, tokens, parents)
+        out = self._run("tree", tokens, parents)
         self._write(out, lead)
         self.backlog = []
         k = min(topk, out["topk_indices"].shape[-1])
