@@ -24,6 +24,8 @@ import gc
 import math
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +202,71 @@ def measure_masks(model, feeds: list[dict], folder: Path, tag: str):
     return stats, ranges
 
 
+# --- the quantization policy: which tensors get a fixed grid, and why ----------------------------
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What the SLM policy's rules read: the prepared graph, the calibration passes' feeds and
+    outputs, the config, the mask value and the known-range input grids (`input_grids`)."""
+
+    graph: Any
+    feeds: list[dict]
+    outputs: list[dict]
+    config: CalibrateConfig
+    negative: float
+    grids: dict[str, tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class GridRule:
+    """One row of a quantization policy: which tensors, the grid they get instead of a
+    calibrated range, why, and `build(PolicyInputs) -> (onnxruntime overrides, report info)`."""
+
+    tensors: str
+    grid: str
+    why: str
+    build: Callable[[PolicyInputs], tuple[dict, dict]]
+
+
+def uint16_override(scale: float, zero: int) -> list[dict]:
+    from onnxruntime.quantization import QuantType
+
+    return [{"quant_type": QuantType.QUInt16, "scale": np.array(scale, np.float32),
+             "zero_point": np.array(zero, np.uint16)}]
+
+
+def mask_grids(known: PolicyInputs) -> tuple[dict, dict]:
+    from hyco.calibrate.quantize import mask_qparams
+
+    grid = mask_qparams(known.negative)
+    return {i.name: uint16_override(*grid) for i in known.graph.graph.input if role_of(i.name) is Role.MASK}, {}
+
+
+def known_range_grids(known: PolicyInputs) -> tuple[dict, dict]:
+    # also the tensors after an input's moves: the quantizer quantizes there instead (cos -> Unsqueeze)
+    return {t: uint16_override(*grid) for name, grid in known.grids.items()
+            for t in moved_copies(known.graph.graph, name)}, {}
+
+
+# Applied in this order (a later row's grid replaces an earlier one's); then `htp_range_overrides`
+# widens the calibrated ranges the HTP computes wrong on. Every other activation: a calibrated
+# 16-bit range (calibrate.activation_calibration).
+SLM_POLICY = (
+    GridRule("KV ring inputs and their new-row outputs (Role.KV_RING, Role.NEW_KV)",
+             "uint8, symmetric at kv_margin x the kv_percentile of |new rows|; the 16-bit twin inside the graph on "
+             "the grid every uint8 code lands on",
+             "the phone keeps the ring as uint8 codes; a calibrated twin clipped ring values on the CPU EP that the "
+             "HTP kept", lambda known: kv_overrides(known.graph, known.feeds, known.outputs, known.config)),
+    GridRule("attention masks (Role.MASK)", "uint16, 0 and mask_negative exactly on the grid (`mask_qparams`)",
+             "masked and visible scores must land on their own codes", mask_grids),
+    GridRule("rotary rows (Role.ROPE) and LUT rows (embeds, per_layer_embeds), and their moved copies",
+             "uint16 over the whole range known by construction ([-1, 1]; the LUT's value range)",
+             "the HTP wraps an input beyond its grid, and a calibrated range held only the tokens and positions "
+             "the calibration passes fed", known_range_grids),
+)
+
+
 def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: CalibrateConfig) -> tuple[dict, dict]:
     """uint8 grids for every ring input and its new rows output: one grid per (layer, K|V),
     range kv_margin x the p-th percentile of |new rows| on the calibration passes."""
@@ -335,25 +402,19 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
     with the KV, mask and HTP-range overrides, then its deployable graph (`deployable`)."""
     from hyco.calibrate.drive import SpilledPasses, with_mask_value
     from hyco.calibrate.prepare import load_graph
-    from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
-    from onnxruntime.quantization import QuantType
+    from hyco.calibrate.quantize import htp_range_overrides, quantize_graph
 
     src = tmp / f"{g}.prepared.onnx"
     prepared = load_graph(src)
     picked = subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)
     feeds = [with_mask_value(f, negative) for f, _ in picked]
-    overrides, kv_ranges = kv_overrides(prepared, feeds, [o for _, o in picked], config)
-    masks = [i.name for i in prepared.graph.input if role_of(i.name) is Role.MASK]
-    # also the tensors after an input's moves: the quantizer quantizes there instead (cos -> Unsqueeze)
-    gridded = {t: grid for name, grid in grids.items() for t in moved_copies(prepared.graph, name)}
-    del picked, prepared
-    m_scale, m_zero = mask_qparams(negative)
-    for name in masks:
-        overrides[name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(m_scale, np.float32),
-                            "zero_point": np.array(m_zero, np.uint16)}]
-    for tensor, (scale, zero) in gridded.items():
-        overrides[tensor] = [{"quant_type": QuantType.QUInt16, "scale": np.array(scale, np.float32),
-                              "zero_point": np.array(zero, np.uint16)}]
+    known = PolicyInputs(prepared, feeds, [o for _, o in picked], config, negative, grids)
+    overrides, kv_ranges = {}, {}
+    for rule in SLM_POLICY:
+        made, info = rule.build(known)
+        overrides.update(made)
+        kv_ranges.update(info)
+    del picked, prepared, known
     widened = htp_range_overrides(ranges, overrides)
     parity = out / PARITY_NAMES[g]
     start = time.perf_counter()
@@ -413,7 +474,6 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
     from hyco.calibrate.masks import choose_mask
     from hyco.calibrate.prepare import prepare_mtp, save
     from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
-    from onnxruntime.quantization import QuantType
 
     spec = inputs["qat_specs"][MTP_GRAPH]
     float_twin = qat / spec.meta.get("float_graph", "mtp_step.float.onnx")
@@ -439,7 +499,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
     for name, (scale, zero) in input_params.items():
         if role_of(name) is Role.MASK:
             scale, zero = mask_qparams(negative)
-        overrides[name] = [{"quant_type": QuantType.QUInt16, "scale": np.array(scale, np.float32), "zero_point": np.array(zero, np.uint16)}]
+        overrides[name] = uint16_override(scale, zero)
     widened = htp_range_overrides(ranges, overrides)
     parity = out / PARITY_NAMES["mtp"]
     start = time.perf_counter()
@@ -477,6 +537,7 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
                               "config": to_dict(config),
                               "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
     report["data"] = answer_stats(inputs["answers"])
+    report["policy"] = [{"tensors": r.tensors, "grid": r.grid, "why": r.why} for r in SLM_POLICY]
     # convert's two graphs are read by the recording and again by the fidelity run: their INT4
     # weights are repacked for MatMulNBits once and kept until the stage ends; the other graphs
     # are read once
@@ -700,6 +761,8 @@ def summary_md(report: dict[str, Any]) -> str:
                      "worst_layer": f"{worst.get('layer')} {worst.get('sqnr_db', float('nan')):.1f} dB",
                      "weights_bitexact": v["weights_bitexact"]["all_equal"]})
     md += markdown_table(rows, list(rows[0]))
+    md += ("\nQuantization policy of the SLM graphs (every other activation: a calibrated 16-bit range; then the "
+           "HTP-range widening):\n\n" + markdown_table(report["policy"], ["tensors", "grid", "why"]))
     md += ("\nWhy onnxruntime's `get_qnn_qdq_config` + `quantize` rather than aimet-onnx's `from_onnx_qdq`: both keep "
            "the prepared INT4/INT8 weights bit-exact, but onnxruntime's is already a dependency, takes explicit "
            "scale/zero-point overrides (KV at 1.2 x p99.9, the MTP inputs' p99.99 ranges, the mask's exact grid), "
