@@ -688,14 +688,14 @@ def test_spilled_recording_reads_back_what_the_in_memory_one_holds(tiny_calibrat
     lockstep([memory, spilled], [2, 40, 41, 42, 43], [50, 51, 52, 53, 54, 55], chain_depth=2, topk=4,
              rng=np.random.default_rng(0))
     for graph in ("tree", "prefill"):
-        want, got = getattr(memory, f"{graph}_session").passes, getattr(spilled, f"{graph}_session").passes
+        want, got = memory.sessions[graph].passes, spilled.sessions[graph].passes
         assert len(got) == len(want) > 0
         assert len(list(tmp_path.joinpath("passes", graph).iterdir())) == 2 * len(want)  # on disk
         for (wf, wo), (gf, go) in zip(want, got, strict=True):
             for a, b in ((wf, gf), (wo, go)):
                 assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
         assert all(np.array_equal(got[-1][1][k], want[-1][1][k]) for k in want[-1][1])
-        session = getattr(memory, f"{graph}_session").session
+        session = memory.sessions[graph].session
         for feeds, outputs in got:
             replayed = session.run(list(outputs), feeds)
             assert all(np.array_equal(r, outputs[n]) for r, n in zip(replayed, outputs, strict=True))
@@ -944,7 +944,7 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
     assert rounds == len(script) >= 3
     for want, got in zip(together, (first, second), strict=True):
         for graph in ("tree", "prefill"):
-            a, b = getattr(want, f"{graph}_session").passes, getattr(got, f"{graph}_session").passes
+            a, b = want.sessions[graph].passes, got.sessions[graph].passes
             assert len(a) == len(b) > 0
             for (fa, oa), (fb, ob) in zip(a, b, strict=True):
                 assert fa.keys() == fb.keys() and all(np.array_equal(fa[k], fb[k]) for k in fa)
