@@ -161,18 +161,21 @@ def gemm_for_transposed_weights(model) -> int:
 
 
 def ort_session(path: Path, optimize: bool = False, arena: bool = True, providers=("CPUExecutionProvider",),
-                int4_matmul: bool = True):
+                int4_matmul: bool = True, rewrites: bool = True):
     """onnxruntime CPU session; graph optimisations off by default, since SRQ rounding is
     sensitive to summation order (the default optimisations flipped a few rounds). `arena`
-    False: no CPU memory arena (same outputs; see calibrate.drive.cpu_session)."""
+    False: no CPU memory arena (same outputs; see calibrate.drive.cpu_session). `rewrites` False:
+    the graph exactly as on disk (no packed INT4 products, no late dequantization), for a session
+    held to onnxruntime's own plain one."""
     import onnx
 
     return session_for(onnx.load(str(path), load_external_data=False), Path(path).parent, optimize, arena, providers,
-                       int4_matmul=int4_matmul)
+                       int4_matmul=int4_matmul and rewrites, rewrites=rewrites)
 
 
 def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool = True,
-                providers=("CPUExecutionProvider",), priority_order: bool = False, int4_matmul: bool = True):
+                providers=("CPUExecutionProvider",), priority_order: bool = False, int4_matmul: bool = True,
+                rewrites: bool = True):
     """`ort_session` on a weightless in-memory `model` whose external data lies in
     `weights_folder` (rewritten in place). INT4 weights are multiplied packed by onnxruntime's
     MatMulNBits (`convert.int4_matmul`: the same integers and scales, fp32 compute in another
@@ -195,9 +198,10 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     so.intra_op_num_threads = cpu_threads()  # a worker's share of the cores (hyco.workers); 0 elsewhere
     if priority_order:
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul else (0, None)
-    late_weight_dequant(model)
-    gemm_for_transposed_weights(model)
+    _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul and rewrites else (0, None)
+    if rewrites:
+        late_weight_dequant(model)
+        gemm_for_transposed_weights(model)
     so.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                 str(fused_folder or weights_folder))
     try:

@@ -22,6 +22,7 @@ import torch
 from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
 from hyco.errors import HycoError
 from hyco.heap import release_free_heap
+from hyco.ort import ort_session
 from hyco.recipe import PlacementConfig, QatConfig, Recipe, to_dict
 
 CAPTURES = "captures"
@@ -394,14 +395,6 @@ def parity_positions(cap, spec, config: QatConfig, positions: int = 8) -> list[t
     return rows
 
 
-def _cpu_session(path: Path):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # summation order as written
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
 def quantized_parity(out: Path, head, sim, rows: list[tuple], config: QatConfig) -> dict:
     """Quantized graph vs QuantSim (the full student, and its weights with float activations),
     then the step graph's proof. Needs neither the head's full-vocabulary tables nor the float graph."""
@@ -409,7 +402,7 @@ def quantized_parity(out: Path, head, sim, rows: list[tuple], config: QatConfig)
     from hyco.qat.lean_qdq import weights_quantized_once
     from hyco.qat.quantsim import plain
 
-    quant_sess = _cpu_session(out / "mtp_step.onnx")
+    quant_sess = ort_session(out / "mtp_step.onnx", rewrites=False)
     quant_diff = weights_diff = 0.0
     quant_top1 = weights_top1 = 0
     device = head.pre_projection.weight.device
@@ -446,7 +439,7 @@ def float_parity(out: Path, head, keep_ids, rows: list[tuple], quantized: dict) 
     after), joined with `quantized_parity`'s result into the report's parity section."""
     from hyco.runtime.mtp import head_step
 
-    float_sess = _cpu_session(out / "mtp_step.float.onnx")
+    float_sess = ort_session(out / "mtp_step.float.onnx", rewrites=False)
     float_diff, float_top1 = 0.0, 0
     for start, feeds in rows:
         f_lp, f_ids, _ = float_sess.run(None, feeds)
@@ -477,18 +470,15 @@ def step_graph_proof(out: Path, head, sim, feeds_list: list[dict], topk: int) ->
     (next_hidden relative to its largest magnitude)."""
     import tempfile
 
-    import onnxruntime as ort
     from hyco.qat.quantsim import integer_weights, quantized_linears
     from hyco.qat.step_graph import MtpStep, tap_input_qdq
 
     weights = {name: (v.float() * s.float()[:, None]).cpu() for name, (v, s) in
                ((name, integer_weights(layer)) for name, layer in quantized_linears(sim).items())}
     step = MtpStep(head, weights, topk).cpu().eval()
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     with tempfile.TemporaryDirectory(prefix="hyco-step-parity-") as tmp:
         taps = tap_input_qdq(out / "mtp_step.onnx", Path(tmp) / "mtp_step.parity.onnx")
-        sess = ort.InferenceSession(str(Path(tmp) / "mtp_step.parity.onnx"), so, providers=["CPUExecutionProvider"])
+        sess = ort_session(Path(tmp) / "mtp_step.parity.onnx", rewrites=False)
     names = [o.name for o in sess.get_outputs()]
     inputs = [i.name for i in sess.get_inputs()]
     lp_diff = hidden_diff = 0.0
