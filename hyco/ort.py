@@ -166,16 +166,33 @@ def ort_session(path: Path, optimize: bool = False, arena: bool = True, provider
     sensitive to summation order (the default optimisations flipped a few rounds). `arena`
     False: no CPU memory arena (same outputs; see calibrate.drive.cpu_session). `rewrites` False:
     the graph exactly as on disk (no packed INT4 products, no late dequantization), for a session
-    held to onnxruntime's own plain one."""
+    held to onnxruntime's own plain one; onnxruntime reads the file itself, so a graph with its
+    weights inside is not copied into a proto and its bytes first."""
     import onnx
+    import onnxruntime as ort
 
+    if not rewrites:
+        return ort.InferenceSession(str(path), session_options(optimize, arena), providers=list(providers))
     return session_for(onnx.load(str(path), load_external_data=False), Path(path).parent, optimize, arena, providers,
-                       int4_matmul=int4_matmul and rewrites, rewrites=rewrites)
+                       int4_matmul=int4_matmul)
+
+
+def session_options(optimize: bool = False, arena: bool = True, priority_order: bool = False):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    so.log_severity_level = 3
+    so.enable_cpu_mem_arena = arena
+    so.intra_op_num_threads = cpu_threads()  # a worker's share of the cores (hyco.workers); 0 elsewhere
+    if priority_order:
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return so
 
 
 def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool = True,
-                providers=("CPUExecutionProvider",), priority_order: bool = False, int4_matmul: bool = True,
-                rewrites: bool = True):
+                providers=("CPUExecutionProvider",), priority_order: bool = False, int4_matmul: bool = True):
     """`ort_session` on a weightless in-memory `model` whose external data lies in
     `weights_folder` (rewritten in place). INT4 weights are multiplied packed by onnxruntime's
     MatMulNBits (`convert.int4_matmul`: the same integers and scales, fp32 compute in another
@@ -190,18 +207,10 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     graph without taps. Same kernels on the same inputs: the same outputs."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
-                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    so.log_severity_level = 3
-    so.enable_cpu_mem_arena = arena
-    so.intra_op_num_threads = cpu_threads()  # a worker's share of the cores (hyco.workers); 0 elsewhere
-    if priority_order:
-        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul and rewrites else (0, None)
-    if rewrites:
-        late_weight_dequant(model)
-        gemm_for_transposed_weights(model)
+    so = session_options(optimize, arena, priority_order)
+    _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul else (0, None)
+    late_weight_dequant(model)
+    gemm_for_transposed_weights(model)
     so.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                 str(fused_folder or weights_folder))
     try:
