@@ -202,7 +202,7 @@ def slm_qnn(bundle: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, rin
     sessions = sessions or bundle_sessions(bundle)
     slm = SlmOnnx(bundle, keep_ids=keep_ids, max_prompt=max_prompt, ring_full=ring_full,
                   graphs=(SPEC_KEYS["tree"], SPEC_KEYS["prefill"]), open_session=sessions.open)
-    slm.tree_spec, slm.prefill_spec = float_view(slm.tree_spec), float_view(slm.prefill_spec)  # CodesSession I/O
+    slm.specs = {g: float_view(spec) for g, spec in slm.specs.items()}  # CodesSession I/O
     return slm
 
 

@@ -32,8 +32,8 @@ class SlmOnnx(SlmHost):
         for name in graphs:
             if name not in specs or (open_session is None and not (convert_dir / name).is_file()):
                 raise HycoError(f"{convert_dir}: no {name} (run the convert stage first)")
-        self.tree_spec, self.prefill_spec = specs[graphs[0]], specs[graphs[1]]
-        meta = self.tree_spec.meta
+        tree_spec, prefill_spec = specs[graphs[0]], specs[graphs[1]]
+        meta = tree_spec.meta
         if keep_ids is None and meta.get("keep_set"):
             raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx predicts over the keep set {meta['keep_set']}; "
                             "the check needs that keep set (add vocab to the recipe's stages)")
@@ -46,12 +46,20 @@ class SlmOnnx(SlmHost):
                             f"but the check expects convert.ring_full {ring_full}")
         self.keep_ids = keep_ids.numpy() if keep_ids is not None else None
         open_session = open_session or (lambda name: ort_session(convert_dir / name))
-        super().__init__({"tree": self.tree_spec, "prefill": self.prefill_spec},
+        super().__init__({"tree": tree_spec, "prefill": prefill_spec},
                          {"tree": open_session(graphs[0]), "prefill": open_session(graphs[1])},
                          convert_dir / "luts", Rope.from_json(convert_dir / "rope.json"))
         self.max_prompt = min(max_prompt, int(meta.get("max_prompt", max_prompt)))
         self.committed = 0
         self.backlog: list[int] = []
+
+    @property
+    def tree_spec(self):
+        return self.specs["tree"]
+
+    @property
+    def prefill_spec(self):
+        return self.specs["prefill"]
 
     def _run(self, graph: str, tokens: list[int], parents: list[int]) -> dict[str, np.ndarray]:
         rows = self.specs[graph].meta["rows"]
