@@ -227,6 +227,7 @@ def scratch_tempdir(final: Path) -> Iterator[Path]:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    before = set(os.environ)
     tempfile.tempdir, os.environ["TMPDIR"] = str(scratch), str(scratch)
     try:
         yield scratch
@@ -236,6 +237,10 @@ def scratch_tempdir(final: Path) -> Iterator[Path]:
             os.environ.pop("TMPDIR", None)
         else:
             os.environ["TMPDIR"] = saved[1]
+        # A library that cached a path inside the scratch in the environment (torch inductor's
+        # TORCHINDUCTOR_CACHE_DIR) would recreate it in a later stage: the path goes with it.
+        for key in [k for k, v in os.environ.items() if k not in before and v.startswith(str(scratch))]:
+            del os.environ[key]
         shutil.rmtree(scratch, ignore_errors=True)
 
 
