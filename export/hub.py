@@ -143,10 +143,6 @@ def _profile(client, target, r: dict[str, Any], options: str = ""):
     return job
 
 
-def _download(model, path: Path) -> Path:
-    return Path(model.download(str(path)))
-
-
 def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> tuple[list[dict[str, Any]], dict | None]:
     """Compile, download and profile each graph; the linked ones (export.share_contexts) through
     one link job. Returns the graphs' rows and the shared context's (None without one)."""
@@ -157,7 +153,7 @@ def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> tuple[list[d
             compiled[r["role"]] = compile_job
             continue
         target = compile_job.get_target_model()
-        binary = _download(target, tmp / f"{r['role']}.bin")
+        binary = Path(target.download(str(tmp / f"{r['role']}.bin")))
         profile_job = _profile(client, target, r)
         jobs.append({**collect(r["role"], compile_job, profile_job, profile_job.download_profile()),
                      "binary": binary.name, "binary_bytes": binary.stat().st_size})
@@ -168,7 +164,7 @@ def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> tuple[list[d
                                       device=linked[0]["device"], name="hyco-slm")
     _finished(link_job, "link", linked[0]["model"])
     target = link_job.get_target_model()
-    binary = _download(target, tmp / "slm.bin")
+    binary = Path(target.download(str(tmp / "slm.bin")))
     for r in linked:
         profile_job = _profile(client, target, r, f"--qnn_options context_enable_graphs={r['role']}")
         jobs.append({**collect(r["role"], compiled[r["role"]], profile_job, profile_job.download_profile()),
