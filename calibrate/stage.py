@@ -207,8 +207,9 @@ def measure_masks(model, feeds: list[dict], folder: Path, tag: str):
 
 @dataclass(frozen=True)
 class PolicyInputs:
-    """What the SLM policy's rules read: the prepared graph, the calibration passes' feeds and
-    outputs, the config, the mask value and the known-range input grids (`input_grids`)."""
+    """What a policy's rules read: the prepared graph, the calibration passes' feeds and outputs,
+    the config, the mask value and the input grids known before calibration (`grids`: the SLM's
+    known-range inputs from `input_grids`, the MTP step's from qat's input QDQ)."""
 
     graph: Any
     feeds: list[dict]
@@ -265,6 +266,38 @@ SLM_POLICY = (
              "the HTP wraps an input beyond its grid, and a calibrated range held only the tokens and positions "
              "the calibration passes fed", known_range_grids),
 )
+
+
+def qat_input_grids(known: PolicyInputs) -> tuple[dict, dict]:
+    return {name: uint16_override(*grid) for name, grid in known.grids.items()}, {}
+
+
+# The MTP step graph's inputs carry qat's QDQ, taken off by `prepare_mtp` (its grids: `grids`).
+MTP_POLICY = (
+    GridRule("every input of the step graph (qat's input QDQ)", "uint16 at the grid qat trained the head on (the "
+             "p99.99 range of its captures; rope [-1, 1])",
+             "the W4 head learned its weights against inputs on these grids; a calibrated range would move the codes",
+             qat_input_grids),
+    GridRule("attention masks (Role.MASK)", "uint16, 0 and mask_negative exactly on the grid (`mask_qparams`)",
+             "calibrate may choose another mask value than qat's; masked and visible scores must land on their own "
+             "codes", mask_grids),
+)
+
+
+def policy_rows() -> list[dict[str, str]]:
+    return [{"graphs": graphs, "tensors": r.tensors, "grid": r.grid, "why": r.why}
+            for graphs, policy in (("tree, prefill", SLM_POLICY), ("mtp_step", MTP_POLICY)) for r in policy]
+
+
+def apply_policy(policy: tuple[GridRule, ...], known: PolicyInputs) -> tuple[dict, dict]:
+    """The overrides of every rule in order (a later rule's grid replaces an earlier one's) and
+    what the rules report."""
+    overrides, info = {}, {}
+    for rule in policy:
+        made, said = rule.build(known)
+        overrides.update(made)
+        info.update(said)
+    return overrides, info
 
 
 def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: CalibrateConfig) -> tuple[dict, dict]:
@@ -409,11 +442,7 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
     picked = subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)
     feeds = [with_mask_value(f, negative) for f, _ in picked]
     known = PolicyInputs(prepared, feeds, [o for _, o in picked], config, negative, grids)
-    overrides, kv_ranges = {}, {}
-    for rule in SLM_POLICY:
-        made, info = rule.build(known)
-        overrides.update(made)
-        kv_ranges.update(info)
+    overrides, kv_ranges = apply_policy(SLM_POLICY, known)
     del picked, prepared, known
     widened = htp_range_overrides(ranges, overrides)
     parity = out / PARITY_NAMES[g]
@@ -473,7 +502,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
     from hyco.calibrate.drive import cpu_session, mtp_bursts
     from hyco.calibrate.masks import choose_mask
     from hyco.calibrate.prepare import prepare_mtp, save
-    from hyco.calibrate.quantize import htp_range_overrides, mask_qparams, quantize_graph
+    from hyco.calibrate.quantize import htp_range_overrides, quantize_graph
 
     spec = inputs["qat_specs"][MTP_GRAPH]
     float_twin = qat / spec.meta.get("float_graph", "mtp_step.float.onnx")
@@ -495,11 +524,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
                             positions_per_capture=config.mtp_positions, window=int(spec.meta["window"]),
                             rng=np.random.default_rng(config.seed), mask_negative=negative)
         feeds = [f for b in bursts for f, _ in b]
-    overrides = {}
-    for name, (scale, zero) in input_params.items():
-        if role_of(name) is Role.MASK:
-            scale, zero = mask_qparams(negative)
-        overrides[name] = uint16_override(scale, zero)
+    overrides, _ = apply_policy(MTP_POLICY, PolicyInputs(prepared, feeds, [], config, negative, input_params))
     widened = htp_range_overrides(ranges, overrides)
     parity = out / PARITY_NAMES["mtp"]
     start = time.perf_counter()
@@ -537,7 +562,7 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
                               "config": to_dict(config),
                               "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
     report["data"] = answer_stats(inputs["answers"])
-    report["policy"] = [{"tensors": r.tensors, "grid": r.grid, "why": r.why} for r in SLM_POLICY]
+    report["policy"] = policy_rows()
     # convert's two graphs are read by the recording and again by the fidelity run: their INT4
     # weights are repacked for MatMulNBits once and kept until the stage ends; the other graphs
     # are read once
@@ -761,8 +786,8 @@ def summary_md(report: dict[str, Any]) -> str:
                      "worst_layer": f"{worst.get('layer')} {worst.get('sqnr_db', float('nan')):.1f} dB",
                      "weights_bitexact": v["weights_bitexact"]["all_equal"]})
     md += markdown_table(rows, list(rows[0]))
-    md += ("\nQuantization policy of the SLM graphs (every other activation: a calibrated 16-bit range; then the "
-           "HTP-range widening):\n\n" + markdown_table(report["policy"], ["tensors", "grid", "why"]))
+    md += ("\nQuantization policy, rules in order per graph (every other activation: a calibrated 16-bit range; "
+           "then the HTP-range widening):\n\n" + markdown_table(report["policy"], ["graphs", "tensors", "grid", "why"]))
     md += ("\nWhy onnxruntime's `get_qnn_qdq_config` + `quantize` rather than aimet-onnx's `from_onnx_qdq`: both keep "
            "the prepared INT4/INT8 weights bit-exact, but onnxruntime's is already a dependency, takes explicit "
            "scale/zero-point overrides (KV at 1.2 x p99.9, the MTP inputs' p99.99 ranges, the mask's exact grid), "

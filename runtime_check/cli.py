@@ -1,5 +1,5 @@
 """`hyco-convert check`: decode prompts under every configuration of Table 5 against the reference
-verifier and write report.json, report.md and check.png (thin wrapper over `run_check`)."""
+verifier and write report.json, summary.md and check.png (thin wrapper over `run_check`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "check", help="hybrid drafting end to end: MAT, acceptance by source, hand-off bytes per configuration",
         description="Decode N prompts with the reference verifier (transformers) and the drafters of every "
         "configuration (HyCo, HyCo exact, HyCo-2P, SpecEdge-style, Cloud+MTP), on the same prompts and seeds, "
-        "and write report.json, report.md and check.png into RUN_DIR/check (or --out).")
+        "and write report.json, summary.md and check.png into RUN_DIR/check (or --out).")
     p.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
     p.add_argument("--config", action="append", metavar="NAME",
                    help="only this configuration (repeatable; default: the recipe's check.configs)")
@@ -40,9 +40,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         manifest = run_stage("check", out, section, stage.inputs(recipe, run_dir),
                              lambda tmp: stage.build(recipe, run_dir, tmp, configs=args.config, prompts=args.prompts),
                              force=args.force)
-        mats = ", ".join(f"{name} {v['mat']:.2f}" for name, v in manifest["summary"].items())
+        mats = ", ".join(f"{name} {v['mat']:.2f}" for name, v in manifest["summary"]["configs"].items())
         print(f"MAT per configuration: {mats}: {stage_state(manifest)}")
-        print(f"wrote {out}/report.json, report.md, check.png")
+        print(f"wrote {out}/report.json, summary.md, check.png")
         return 0
 
     return run_split(main, lambda word: stage.build(recipe, run_dir, None, configs=args.config, prompts=args.prompts))

@@ -1,11 +1,11 @@
-"""report.json, report.md and check.png: every configuration side by side."""
+"""report.json, summary.md and check.png: every configuration side by side."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from hyco.artifacts import declare_nondeterministic, markdown_table, write_json
+from hyco.artifacts import StageEnd, finish_stage, markdown_table
 
 # Paper, Table 2 (SB-480, Gemma 4 26B-A4B with its real drafters). Shown in a table of its own:
 # the fixture's models are tiny distilled stand-ins, so their MATs are not comparable with these.
@@ -18,12 +18,24 @@ COLUMNS = ["config", "label", "rule", "mat", "tokens_ge_eps_row", "top_p_row", "
 
 def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
                  lossless: dict[str, dict] | None = None) -> dict[str, Any]:
-    """`lossless`: per exact configuration, `check.compare_with_generate`'s verdict against the
-    verifier's own keyed-sampled text (`check.keyed_generate`)."""
+    """report.json, summary.md and check.png through the stage ending; returns the manifest's
+    summary. `lossless`: per exact configuration, `check.compare_with_generate`'s verdict against
+    the verifier's own keyed-sampled text (`check.keyed_generate`)."""
     out.mkdir(parents=True, exist_ok=True)
     lossless = lossless or {}
     report = {"settings": settings, "configs": results, "lossless": lossless, "paper_mat_sb480": PAPER_MAT}
-    write_json(out / "report.json", report)
+    summary = {"configs": {name: {"mat": r["mat"], "output_tokens": r["output_tokens"],
+                                  **({"lossless": lossless[name]["equal"]} if name in lossless else {})}
+                           for name, r in results.items()}}
+    # no proof that stops the stage: a lossless verdict of False is the finding this stage reports
+    return finish_stage("check", out, StageEnd(
+        report, summary_markdown, summary, plots={"check.png": lambda path: _plot(path, results)},
+        nondeterministic=[("summary.md", "prints the drafters' measured milliseconds per round", None)]),
+        allow_parity_failure=False)
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    settings, results, lossless = report["settings"], report["configs"], report["lossless"]
     rows = [_row(name, r) for name, r in results.items()]
     epsilon = settings["check"]["epsilon"]
     md = ["# Check: hybrid drafting against the reference verifier", "",
@@ -49,12 +61,7 @@ def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
           markdown_table([{"config": n, "label": results[n]["label"], "paper_mat": PAPER_MAT[n]}
                           for n in results if n in PAPER_MAT], ["config", "label", "paper_mat"]),
           "![check](check.png)", ""]
-    (out / "report.md").write_text("\n".join(md))
-    declare_nondeterministic("report.md", "prints the drafters' measured milliseconds per round")
-    _plot(out / "check.png", results)
-    return {name: {"mat": r["mat"], "output_tokens": r["output_tokens"],
-                   **({"lossless": lossless[name]["equal"]} if name in lossless else {})}
-            for name, r in results.items()}
+    return "\n".join(md)
 
 
 # More tokens than this at or above epsilon per row: the threshold accepts most drafts whatever

@@ -262,6 +262,27 @@ def test_mtp_pass_strips_input_qdq_with_ranges(tiny_calibrated, tmp_path):
     assert weights_bitexact(model, stripped)["all_equal"]
 
 
+def test_mtp_policy_keeps_qats_grids_and_puts_the_mask_on_calibrates(tiny_calibrated):
+    """The step graph's policy table: every input keeps the grid qat trained the head on, except
+    the masks, whose grid follows calibrate's mask value; the report lists both graphs' rules."""
+    from hyco.calibrate.quantize import mask_qparams
+    from hyco.calibrate.stage import MTP_POLICY, PolicyInputs, apply_policy
+
+    from hyco.io_spec import Role, role_of
+
+    qat = tiny_calibrated / "qat"
+    prepared, grids = prepare.prepare_mtp(onnx.load(str(qat / "mtp_step.onnx")))
+    negative = -123.0  # not qat's mask value: the masks must move, nothing else
+    overrides, _ = apply_policy(MTP_POLICY, PolicyInputs(prepared, [], [], None, negative, grids))
+    assert set(overrides) == set(grids) and any(role_of(n) is Role.MASK for n in grids)
+    for name, (grid,) in overrides.items():
+        want = mask_qparams(negative) if role_of(name) is Role.MASK else grids[name]
+        assert (float(grid["scale"]), int(grid["zero_point"])) == (np.float32(want[0]), want[1]), name
+    report = json.loads((tiny_calibrated / "calibrate" / "report.json").read_text())
+    assert [r["graphs"] for r in report["policy"]] == ["tree, prefill"] * 3 + ["mtp_step"] * 2
+    assert "| mtp_step | every input" in (tiny_calibrated / "calibrate" / "summary.md").read_text()
+
+
 # --- masks ---------------------------------------------------------------------------------------
 
 

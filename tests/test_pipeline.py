@@ -27,6 +27,12 @@ def test_every_stage_writes_its_folder_and_manifest(run_dir):
         assert manifest["stage"] == name and manifest["outputs"]
         for rel, meta in manifest["outputs"].items():
             assert (run_dir / name / rel).stat().st_size == meta["bytes"]
+        # every stage ends the same way (`finish_stage`): report.json with its proof's verdict, the
+        # peak RSS and the toolchain, and a summary.md
+        stage_report = json.loads((run_dir / name / "report.json").read_text())
+        assert {"proof_failed", "peak_rss_mb", "toolchain"} <= set(stage_report), name
+        assert stage_report["proof_failed"] is None and manifest["summary"]["proof_failed"] is None, name
+        assert (run_dir / name / "summary.md").read_text().startswith("# "), name
     assert (run_dir / "run_summary.md").read_text().startswith("# Run of recipe `tiny`")
     # no temp folder survives a finished run
     assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
@@ -70,7 +76,7 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
     assert all(v["equal"] is True and v["tokens_compared"] > 0 for v in check["lossless"].values())
     selection = check["settings"]["prompt_selection"]
     assert sum(r["chosen"] for r in selection) == check["settings"]["prompts"] and len(selection) >= 2
-    assert "## Prompts" in (run_dir / "check" / "report.md").read_text()
+    assert "## Prompts" in (run_dir / "check" / "summary.md").read_text()
 
 
 def test_rerun_skips_and_a_changed_section_rebuilds(run_dir, capsys):

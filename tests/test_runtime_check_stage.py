@@ -52,21 +52,21 @@ def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_pa
         v = report["lossless"][name]
         assert v["prompts"] == 2 and 2 <= v["tokens_compared"] <= 2 * 8
         assert v["equal"] is True and v["first_divergence"] is None, (name, v)
-    md = (out / "report.md").read_text()
+    md = (out / "summary.md").read_text()
     assert "- hyco-exact: " in md and "- cloud-mtp: " in md and "identical, lossless." in md and "NOT identical" not in md
     assert "not comparable" in md and "| paper_mat |" in md and "paper_mat" not in md.split("## The paper")[0]
     assert report["configs"]["specedge"]["handoff_bytes_per_round"] is None  # no MTP head, no hand-off
     assert report["configs"]["cloud-mtp"]["handoff_bytes_per_round"] is None  # the head is on the server
     assert report["configs"]["hyco"]["handoff_bytes_per_round"] == 2 * (128 + 2)  # verifier hidden 128
     assert report["configs"]["cloud-mtp"]["tree_nodes_per_round"] <= 4
-    assert "| hyco-2p |" in (out / "report.md").read_text()
+    assert "| hyco-2p |" in (out / "summary.md").read_text()
     assert (out / "check.png").stat().st_size > 1000
     assert "MAT per configuration" in capsys.readouterr().out
 
 
 def test_a_divergence_from_generate_is_reported_with_its_margin(tmp_path):
     """`compare_with_generate` names the first differing prompt and token, with the verifier's
-    logit margin there, and report.md says so in words."""
+    logit margin there, and summary.md says so in words."""
     from hyco.runtime_check.check import compare_with_generate
     from hyco.runtime_check.report import write_report
 
@@ -88,7 +88,7 @@ def test_a_divergence_from_generate_is_reported_with_its_margin(tmp_path):
     write_report(tmp_path, {}, settings, {"specedge": {**verdict, "accepted_draft_tokens": 3}})
     assert ("- specedge: 8 tokens over 2 prompts (5 distinct in the verifier's text), 3 of them accepted drafts: NOT "
             "identical: prompt 1 first differs "
-            "at output token 2 (ours 5, the verifier's 7, verifier logit margin there 0.5).") in (tmp_path / "report.md").read_text()
+            "at output token 2 (ours 5, the verifier's 7, verifier logit margin there 0.5).") in (tmp_path / "summary.md").read_text()
 
 
 def test_check_via_run_and_one_config(tiny_family, tmp_path):
@@ -96,7 +96,7 @@ def test_check_via_run_and_one_config(tiny_family, tmp_path):
     assert main(["run", str(recipe)]) == 0
     run = json.loads((tmp_path / "run" / "run_report.json").read_text())
     assert [s["stage"] for s in run["stages"]] == ["check"]
-    assert list(run["stages"][0]["summary"]) == ["cloud-mtp"]
+    assert list(run["stages"][0]["summary"]["configs"]) == ["cloud-mtp"]
 
 
 @pytest.mark.parametrize("case,override,message", [

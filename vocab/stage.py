@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from hyco.vocab.corpus import Deal, TokenCounter, assistant_view, deal
 from hyco.vocab.coverage import comparison_sizes, outside_share_curve, plot_coverage, share_at
 from tqdm import tqdm
 
-from hyco.artifacts import fingerprint, markdown_table, write_json
+from hyco.artifacts import StageEnd, fingerprint, finish_stage, markdown_table, write_json
 from hyco.chat import PACKAGED, iter_conversations
 from hyco.errors import HycoError
 from hyco.keepset import (
@@ -128,20 +129,23 @@ def build_vocab(*, tokenizer: Path, dataset: DatasetConfig, config: VocabConfig,
     details = always_kept_report(tok, always, config.keep_placeholders)
     # Evidence for leaving placeholders out: how often the counted assistant text produced one.
     details["placeholder_occurrences_counted"] = int(counters["count"].counts[placeholders].sum())
-    report = _coverage_report(counters, always, config, vocab_size, out, keep_set, main, heldout_ids, view_label,
-                              details, placeholders)
-    _write_summary(out / "summary.md", report)
+    report, plot = _coverage_report(counters, always, config, vocab_size, keep_set, main, heldout_ids, view_label,
+                                    details, placeholders)
     elapsed = time.perf_counter() - start
-    return {
+    summary = {
         "size": config.size, "categories": keep_set["categories"], "counted": keep_set["counted"],
         "count_tokens": count_tokens, "heldout_outside_share": report["outside_share"],
         "count_tokens_per_s": round(count_tokens / max(elapsed_count, 1e-9)), "wall_s": round(elapsed, 2),
         "requested": report["requested"], "got": report["got"],
     }
+    # no proof: every refusal (keep set too small for what is always kept, no assistant text) came above
+    return finish_stage("vocab", out, StageEnd(report, _summary_markdown, summary, plots={"coverage.png": plot}),
+                        allow_parity_failure=False)
 
 
-def _coverage_report(counters, always, config: VocabConfig, vocab_size, out: Path, keep_set, main: Deal, heldout_ids, view_label,
-                     details: dict, placeholders: np.ndarray) -> dict:
+def _coverage_report(counters, always, config: VocabConfig, vocab_size, keep_set, main: Deal, heldout_ids, view_label,
+                     details: dict, placeholders: np.ndarray) -> tuple[dict, Callable[[Path], None]]:
+    """report.json's content and the drawing of coverage.png."""
     always_ids = np.unique(np.concatenate(list(always.values())))
     heldout = counters["heldout"].counts
     sizes, share = outside_share_curve(counters["count"].counts, heldout, always_ids, placeholders)
@@ -177,17 +181,15 @@ def _coverage_report(counters, always, config: VocabConfig, vocab_size, out: Pat
     }
     if counters["heldout"].tokens == 0:
         report["warning"] = "no held-out assistant tokens: coverage figures are 0 by convention"
-    plot_coverage(out / "coverage.png", sizes, share, marks, config.size,
-                  f"{len(heldout_ids)} held-out conversations, {counters['heldout'].tokens} assistant tokens")
-    write_json(out / "report.json", report)
-    return report
+    title = f"{len(heldout_ids)} held-out conversations, {counters['heldout'].tokens} assistant tokens"
+    return report, lambda path: plot_coverage(path, sizes, share, marks, config.size, title)
 
 
 def _frequent_ids(keep_set, always_ids) -> np.ndarray:
     return np.setdiff1d(np.asarray(keep_set["token_ids"]), always_ids)
 
 
-def _write_summary(path: Path, report: dict) -> None:
+def _summary_markdown(report: dict) -> str:
     c, a = report["categories"], report["always_kept"]
     rows = [{"keep set": m["label"], "size": m["size"], "outside (%)": round(100 * m["outside_share"], 3)}
             for m in report["comparison"]]
@@ -212,7 +214,7 @@ def _write_summary(path: Path, report: dict) -> None:
     )
     if short:
         text += f"\nFewer conversations than requested for: {', '.join(short)} (the corpus ran out).\n"
-    path.write_text(text)
+    return text
 
 
 # --- the pipeline's view ------------------------------------------------------------------

@@ -68,5 +68,5 @@ def _print_done(args: argparse.Namespace, manifest: dict) -> None:
 
     s = manifest["summary"]
     print(f"{s['answers']} {s['source']} answers ({stage_state(manifest)}); degenerate: {s['degenerate']}")
-    print(f"wrote {args.out}/answers.jsonl, answers.json, summary.md")
+    print(f"wrote {args.out}/answers.jsonl, answers.json, report.json, summary.md")
     print(f"next: hyco-convert qat ... --answers {args.out}; hyco-convert calibrate ... --answers {args.out}")

@@ -1,5 +1,5 @@
 """The answers stage: the verifier's answers to vocab/'s reserved train and eval prompts, written
-once (answers.jsonl, answers.json, summary.md) and read by qat (which trains the MTP head on them)
+once (answers.jsonl, answers.json, report.json, summary.md) and read by qat (which trains the MTP head on them)
 and calibrate (which calibrates the SLM graphs on them), so neither reruns the verifier for it and
 a qat rerun leaves calibrate's answers as they were.
 
@@ -16,21 +16,21 @@ from typing import Any
 
 import torch
 
-from hyco.artifacts import declare_nondeterministic, markdown_table
+from hyco.artifacts import StageEnd, finish_stage, markdown_table
 from hyco.errors import HycoError
 from hyco.recipe import AnswersConfig, PlacementConfig, Recipe, to_dict
 
 
 def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path | None,
                  placement: PlacementConfig | None = None) -> dict[str, Any]:
-    """Write OUT/answers.jsonl, answers.json and summary.md; return a short summary. For
+    """Write OUT/answers.jsonl, answers.json, report.json and summary.md; return a short summary. For
     `source: corpus` only the verifier's generation config is read (its end-of-turn ids);
     `placement`: the verifier's dtype and devices (default: BF16 on a GPU, fp32 on the CPU).
     Under `accelerate launch` each process answers its share of the prompts (`hyco.launch`); a
     follower process passes `out=None` and writes nothing."""
     from transformers import GenerationConfig
 
-    from hyco.answers import generate_answers, write_answers
+    from hyco.answers import ANSWERS_REPORT, generate_answers, write_answers
     from hyco.keepset import load_prompts
     from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer, load_verifier
@@ -56,17 +56,26 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
     if out is None:
         return {}
     out = Path(out)
-    report = write_answers(out, records, {**to_dict(config), "max_new_tokens": lengths}, tok)
+    written = write_answers(out, records, {**to_dict(config), "max_new_tokens": lengths}, tok)
+    report = {"source": config.source, "answers": len(records), "max_new_tokens": lengths,
+              "stats": written["stats"], "warnings": written["warnings"], "format_file": ANSWERS_REPORT,
+              "wall_s": round(time.perf_counter() - start, 2)}
+    summary = {"source": config.source, "answers": len(records),
+               "degenerate": {split: s["degenerate"] for split, s in report["stats"].items()}}
+    # no proof: degenerate text is warned about (summary.md, answers.json), the consumers decide
+    return finish_stage("answers", out, StageEnd(report, _summary_markdown, summary,
+                                                 nondeterministic=[("summary.md", "prints this run's wall time", None)]),
+                        allow_parity_failure=False)
+
+
+def _summary_markdown(report: dict[str, Any]) -> str:
+    lengths = report["max_new_tokens"]
     rows = [{"split": split, **s} for split, s in report["stats"].items()]
-    md = (f"# answers: {config.source}\n\n{len(records)} answers to vocab/'s reserved prompts (up to "
+    md = (f"# answers: {report['source']}\n\n{report['answers']} answers to vocab/'s reserved prompts (up to "
           f"{lengths['train']} / {lengths['eval']} new tokens for train / eval), read by qat and calibrate. "
-          f"Wall {time.perf_counter() - start:.1f} s.\n\n"
+          f"Wall {report['wall_s']:.1f} s.\n\n"
           + markdown_table(rows, ["split", "answers", "tokens", "distinct_tokens", "top_token", "top_share", "degenerate"]))
-    md += "".join(f"\n**Warning**: {w}\n" for w in report["warnings"])
-    (out / "summary.md").write_text(md)
-    declare_nondeterministic("summary.md", "prints this run's wall time")
-    return {"source": config.source, "answers": len(records),
-            "degenerate": {split: s["degenerate"] for split, s in report["stats"].items()}}
+    return md + "".join(f"\n**Warning**: {w}\n" for w in report["warnings"])
 
 
 # --- the pipeline's view ------------------------------------------------------------------
