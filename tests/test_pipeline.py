@@ -34,8 +34,11 @@ def test_every_stage_writes_its_folder_and_manifest(run_dir):
         assert stage_report["proof_failed"] is None and manifest["summary"]["proof_failed"] is None, name
         assert (run_dir / name / "summary.md").read_text().startswith("# "), name
     assert (run_dir / "run_summary.md").read_text().startswith("# Run of recipe `tiny`")
-    # no temp folder survives a finished run
+    # no temp folder survives a finished run, and no report names one (they name final paths)
     assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
+    written = [p for p in run_dir.rglob("*") if p.suffix in (".md", ".json") and p.is_file()]
+    assert len(written) > 2 * len(stages)
+    assert not [p for p in written if any(t in p.read_text() for t in (".tmp-", ".scratch-"))]
 
 
 def test_the_stages_hand_each_other_their_artifacts(run_dir):
