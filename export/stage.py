@@ -100,15 +100,17 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
     graphs = {}
     shared = {}
     if config.share_contexts:  # tree and prefill: one binary, one copy of their common weights
-        from hyco.qnn import compile_shared
+        from hyco.qnn import compile_shared_isolated
 
         roles = ("tree", "prefill")
         if any(weight_bytes(calibrate / GRAPHS[r]) > config.max_context_bytes for r in roles):
             raise HycoError("export.share_contexts: tree or prefill exceeds export.max_context_bytes; a split graph "
                             "cannot share its context (set share_contexts false)")
-        shared = dict(zip(roles, compile_shared([(calibrate / GRAPHS[r], r) for r in roles], bundle,
-                                                soc_model=config.soc_model,
-                                                optimization_level=config.htp_optimization_level), strict=True))
+        with phase("compile tree+prefill (one shared context)") if phase else contextlib.nullcontext():
+            compiled = compile_shared_isolated([(calibrate / GRAPHS[r], r) for r in roles], bundle,
+                                               soc_model=config.soc_model,
+                                               optimization_level=config.htp_optimization_level)
+        shared = dict(zip(roles, compiled, strict=True))
     for role, name in GRAPHS.items():
         source = calibrate / name
         weights = weight_bytes(source)

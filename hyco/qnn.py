@@ -254,6 +254,21 @@ def compile_shared(graphs: list[tuple[Path, str]], out_dir: Path, *, soc_model: 
     return [Compiled(out_dir / ctx.name, out_dir / bins[0].name, s, n) for ctx, s, n in compiled]
 
 
+def compile_shared_isolated(graphs: list[tuple[Path, str]], out_dir: Path, *, soc_model: int,
+                            optimization_level: int = 0) -> list[Compiled]:
+    """`compile_shared` in a fresh process, for the reason `compile_isolated` gives: the QNN
+    compiler's memory goes with the process, and the binary's bytes do not depend on the HTP
+    sessions this process made before."""
+    from hyco.workers import in_processes
+
+    return in_processes(_compile_shared_job, [(graphs, out_dir, soc_model, optimization_level)],
+                        f"{graphs[0][0]}: compiling it with {len(graphs) - 1} more graph(s) into one shared context")[0]
+
+
+def _compile_shared_job(graphs, out_dir, soc_model, optimization_level):
+    return compile_shared(graphs, out_dir, soc_model=soc_model, optimization_level=optimization_level)
+
+
 class ChainedSession:
     """Runs a split graph's parts in order, feeding each the graph inputs and earlier parts'
     outputs it names; the same `run(names, feeds)` as one session."""

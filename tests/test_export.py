@@ -375,6 +375,11 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert footprint["npu_resident_total"] == sum(footprint["resident_per_context"].values())
     assert len(footprint["resident_per_context"]) == 2
     assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
+    # against the ladder's two separate contexts: sharing saves one copy of the weights (graph
+    # metadata differs a little between the two layouts, hence 0.9)
+    separate = verify_bundle(tiny_calibrated / "export" / "bundle")["graphs"]
+    saved = sum(separate[r]["parts"][0]["binary_bytes"] for r in ("tree", "prefill")) - shared_bytes
+    assert saved >= 0.9 * tree["weight_bytes"], (saved, tree["weight_bytes"])
     done = _smoke_cli(out / "bundle", tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cannot load a shared" in done.stderr
     print(f"shared tree+prefill context: {shared_bytes} B")
