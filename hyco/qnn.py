@@ -259,14 +259,13 @@ def compile_shared_isolated(graphs: list[tuple[Path, str]], out_dir: Path, *, so
     """`compile_shared` in a fresh process, for the reason `compile_isolated` gives: the QNN
     compiler's memory goes with the process, and the binary's bytes do not depend on the HTP
     sessions this process made before."""
+    from functools import partial
+
     from hyco.workers import in_processes
 
-    return in_processes(_compile_shared_job, [(graphs, out_dir, soc_model, optimization_level)],
+    job = partial(compile_shared, soc_model=soc_model, optimization_level=optimization_level)
+    return in_processes(job, [(graphs, out_dir)],
                         f"{graphs[0][0]}: compiling it with {len(graphs) - 1} more graph(s) into one shared context")[0]
-
-
-def _compile_shared_job(graphs, out_dir, soc_model, optimization_level):
-    return compile_shared(graphs, out_dir, soc_model=soc_model, optimization_level=optimization_level)
 
 
 class ChainedSession:
