@@ -130,12 +130,13 @@ def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateCo
     `spill`/i when given). `script` gets one list of rounds per answer, `replay` walks such
     lists (`drive.lockstep`)."""
     from hyco.calibrate.drive import lockstep, slm_driver
-    from tqdm import tqdm
+
+    from hyco.console import progress
 
     rng = np.random.default_rng(config.seed)
     slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i))
             for i, s in enumerate(sessions or [None] * drivers)]
-    for i, a in enumerate(tqdm(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None)):
+    for i, a in enumerate(progress(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None)):
         if script is not None:
             script.append([])
         lockstep(slms, a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,

@@ -18,7 +18,6 @@ held by tests/test_convert.py and tests/test_convert_memory.py).
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,7 +83,6 @@ def weight_tensor(name: str, value):
     return numpy_helper.from_array(value.detach().cpu().numpy(), name)
 
 
-@contextlib.contextmanager
 def shape_inference_without(names: set[str]):
     """The TorchScript exporter's ONNX shape inference, blind to the values of `names`.
 
@@ -93,18 +91,9 @@ def shape_inference_without(names: set[str]):
     copied again, 2x the int8 size of each linear at once (GBs for a 262,144-row output layer).
     Without the values the inputs keep their traced type and shape, which is all a
     DequantizeLinear needs: the exported graph is byte-identical."""
-    from torch import _C
+    from hyco.compat_torch import onnx_shape_inference_without
 
-    infer = _C._jit_pass_onnx_graph_shape_type_inference
-
-    def blind(graph, params, opset):
-        return infer(graph, {k: v for k, v in params.items() if k not in names}, opset)
-
-    _C._jit_pass_onnx_graph_shape_type_inference = blind
-    try:
-        yield
-    finally:
-        _C._jit_pass_onnx_graph_shape_type_inference = infer
+    return onnx_shape_inference_without(names)
 
 
 def export_raw(static: StaticGemma, rows: int, folder: Path, name: str) -> GraphSpec:

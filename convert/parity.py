@@ -269,6 +269,8 @@ def reference_run(model, ids, keep_ids, windows: dict[str, int], points: list[Sr
     import torch.nn.functional as F
     from transformers.integrations.gemma_quant import apply_srq
 
+    from hyco.compat_transformers import dequantized_weight
+
     modules = dict(model.named_modules())
     taps: dict[int, np.ndarray] = {}
     scales: dict[int, float] = {}
@@ -284,7 +286,7 @@ def reference_run(model, ids, keep_ids, windows: dict[str, int], points: list[Sr
         else:
             def post(module, args, out, p=p):
                 x = apply_srq(args[0], module.input_activation_scale)
-                y = F.linear(x, module._dequantize_weights(x.dtype), module.bias)[0].detach().float().numpy()
+                y = F.linear(x, dequantized_weight(module, x.dtype), module.bias)[0].detach().float().numpy()
                 taps[p.index] = y if y.shape[-1] == p.width else y[:, keep_ids]
             handles.append(m.register_forward_hook(post))
     try:

@@ -24,8 +24,8 @@ from hyco.convert.static_model import (
     StaticGemma,
 )
 from torch import nn
-from tqdm import tqdm
 
+from hyco.console import progress
 from hyco.errors import HycoError
 
 
@@ -83,7 +83,9 @@ def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:
 
 def decompose_rmsnorm(module) -> RMSNorm:
     weight = module.weight.data if getattr(module, "with_scale", True) else None
-    return RMSNorm(weight, module.eps)
+    from hyco.compat_transformers import rms_norm_eps
+
+    return RMSNorm(weight, rms_norm_eps(module))
 
 
 def layer_shape(config, index: int, attn) -> LayerShape:
@@ -146,7 +148,7 @@ def build_static_model(text_model, lm_head, *, text_prefix: str, keep_ids,
         if config.hidden_size_per_layer_input:
             text_model.embed_tokens_per_layer = nn.Module()
     layers = []
-    for i in tqdm(range(config.num_hidden_layers), desc="convert layers", leave=False):
+    for i in progress(range(config.num_hidden_layers), desc="convert layers", leave=False):
         layers.append(static_layer(config, i, text_model.layers[i], f"{text_prefix}layers.{i}", float_bits))
         if release:
             text_model.layers[i] = nn.Module()

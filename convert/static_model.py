@@ -103,12 +103,10 @@ class IntLinear(nn.Module):
 
     def int_values(self) -> torch.Tensor:
         """The signed ints [out, in] as int8, unpacked by transformers' own code."""
-        from transformers.integrations.gemma_quant import _unpack_int2, _unpack_int4
+        from hyco.compat_transformers import unpack_gemma_ints
 
-        if self.bits == 2:
-            return _unpack_int2(self.packed, self.in_features)
-        if self.bits == 4:
-            return _unpack_int4(self.packed, self.in_features)
+        if self.bits in (2, 4):
+            return unpack_gemma_ints(self.packed, self.bits, self.in_features)
         return self.packed.to(torch.int8)
 
     def forward(self, x):

@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hyco.console import STAGE_LOG, stage_log
 from hyco.errors import HycoError, ProofFailed
 from hyco.launch import world_size
 
@@ -505,7 +506,11 @@ def finish_stage(name: str, out: Path, end: StageEnd, allow_parity_failure: bool
     write_json(Path(out) / "report.json", report)
     for file, draw in end.plots.items():
         draw(Path(out) / file)
-    (Path(out) / "summary.md").write_text(end.markdown(report))
+    md = end.markdown(report)
+    if (Path(out) / STAGE_LOG).exists():
+        md = md.rstrip("\n") + (f"\n\nWhat the libraries printed (warnings, INFO lines, C++ logs) is in `{STAGE_LOG}` beside "
+                                 "this file, not on the terminal; manifest.json's `log` counts it.\n")
+    (Path(out) / "summary.md").write_text(md)
     for file, reason, pointers in end.nondeterministic:
         declare_nondeterministic(file, reason, ignore_pointers=pointers)
     if end.proof_failed and not allow_parity_failure:
@@ -554,7 +559,9 @@ def _run_locked(name: str, out: Path, section: Mapping[str, Any], inputs: Mappin
         global _declared
         _declared = {}
         try:
-            summary = build(tmp) or {}
+            with stage_log(tmp / STAGE_LOG) as log:
+                declare_nondeterministic(STAGE_LOG, "library output: timings, addresses and temp paths vary")
+                summary = build(tmp) or {}
             canonicalize_safetensors(tmp)
             nondeterministic = nondeterministic_outputs(tmp)
         finally:
@@ -573,6 +580,7 @@ def _run_locked(name: str, out: Path, section: Mapping[str, Any], inputs: Mappin
             "toolchain": toolchain_versions(),
             "argv": sys.argv,
             "processes": world_size(),  # > 1: the stage's prompts were split over an accelerate launch
+            "log": log.record(),  # what the libraries said, kept off the terminal
         }
         if summary.get("proof_failed"):
             manifest["proof_failed"] = str(summary["proof_failed"])

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
+from hyco.console import progress
 from hyco.errors import HycoError
 from hyco.handoff import LAYER_TYPES, handoff_states
 from hyco.loading import load_safetensors
@@ -56,7 +56,7 @@ def capture_answers(verifier, answers: list[dict], folder: Path, capture_point: 
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     mine = my_positions(len(answers))
-    for i in tqdm(mine, desc="qat: capture", unit="seq", disable=None):
+    for i in progress(mine, desc="qat: capture", unit="seq", disable=None):
         rec = answers[i]
         ids = torch.tensor(rec["prompt_ids"] + rec["answer_ids"], dtype=torch.long)
         if len(rec["answer_ids"]) < 1:

@@ -64,14 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
     """Our own warnings about the input (a dataset cut mid-record: what was read) print as one
-    line like errors do; library warnings keep Python's format."""
-    from hyco.chat import TruncatedWarning
+    line like errors do, on the terminal also while a stage's log holds fd 2; library warnings keep
+    Python's format (and go to the stage's log, hyco/console.py)."""
+    from hyco.console import is_ours, terminal
 
     original = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, TruncatedWarning):
-            print(f"hyco-convert {command}: warning: {message}", file=sys.stderr)
+        if is_ours(category):
+            print(f"hyco-convert {command}: warning: {message}", file=terminal())
         else:
             original(message, category, filename, lineno, file, line)
 

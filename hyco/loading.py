@@ -510,17 +510,20 @@ def upcast_to_float32(model) -> None:
     import torch
     from accelerate import init_empty_weights
 
+    from hyco.compat_torch import is_persistent_buffer
+    from hyco.compat_transformers import skeleton_from_config
+
     with torch.no_grad():
         for param in model.parameters():  # tied parameters are one object: widened once
             if param.is_floating_point():
                 param.data = param.data.float()
         with init_empty_weights(include_buffers=False):
-            skeleton = type(model)._from_config(model.config, dtype=torch.float32)
+            skeleton = skeleton_from_config(type(model), model.config, dtype=torch.float32)
         fresh = dict(skeleton.named_buffers())
         for name, buffer in list(model.named_buffers()):
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
-            persistent = leaf not in module._non_persistent_buffers_set
+            persistent = is_persistent_buffer(module, leaf)
             value = (buffer.float() if buffer.is_floating_point() else buffer) if persistent else fresh[name]
             module.register_buffer(leaf, value.to(buffer.device), persistent=persistent)
     model.config.dtype = torch.float32

@@ -46,8 +46,11 @@ def _run_stages(recipe: Recipe, modules: dict, run_dir: Path, force: bool, allow
         )
         status = "skipped (manifest matches)" if manifest["skipped"] else "built"
         when = "built earlier in " if manifest["skipped"] else ""
+        messages = manifest.get("log", {})
+        said = (f"; {messages['lines']} lines of library output in {stage_dir(run_dir, name) / messages['file']}"
+                if messages.get("lines") else "")
         log(f"[{name}] {status}: {len(manifest['outputs'])} files, {when}{manifest['wall_s']:.1f} s, "
-            f"peak RSS {manifest['peak_rss_mb']:.0f} MiB")
+            f"peak RSS {manifest['peak_rss_mb']:.0f} MiB{said}")
         if manifest.get("proof_failed"):
             log(f"[{name}] WARNING: kept although its proof failed ({manifest['proof_failed']}); manifest marked")
         rows.append({
@@ -57,6 +60,8 @@ def _run_stages(recipe: Recipe, modules: dict, run_dir: Path, force: bool, allow
             "bytes": sum(o["bytes"] for o in manifest["outputs"].values()),
             "wall_s": manifest["wall_s"],
             "peak_rss_mb": manifest["peak_rss_mb"],
+            "library_warnings": messages.get("warnings", 0),
+            "library_lines": messages.get("lines", 0),
             "summary": manifest.get("summary", {}),
         })
     report = {
@@ -70,6 +75,8 @@ def _run_stages(recipe: Recipe, modules: dict, run_dir: Path, force: bool, allow
     remove_stale_temps(run_dir)  # a half-written run report of a killed run
     write_json(run_dir / "run_report.json", report)
     md = f"# Run of recipe `{recipe.name}`\n\nOutput: `{run_dir}`; total {report['wall_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MiB.\n\n"
-    md += markdown_table(rows, ["stage", "status", "files", "bytes", "wall_s", "peak_rss_mb"])
+    md += markdown_table(rows, ["stage", "status", "files", "bytes", "wall_s", "peak_rss_mb", "library_warnings",
+                                "library_lines"])
+    md += "\nlibrary_warnings / library_lines: what the libraries printed, in each stage's `stage.log`.\n"
     (run_dir / "run_summary.md").write_text(md)
     return report

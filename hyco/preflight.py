@@ -165,16 +165,23 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
     limit_memory = recipe.limits.memory_gb or machine_memory_gb()
     limit_disk = recipe.limits.disk_gb or free_disk
     for r in rows:
-        log(f"[preflight] {r.stage}: ~{r.memory_gb:.1f} GiB memory, ~{r.disk_gb:.1f} GiB disk, on {r.device}")
+        log(f"[preflight] {r.stage}: ~{size_text(r.memory_gb)} memory, ~{size_text(r.disk_gb)} disk, on {r.device}")
     total_disk = sum(r.disk_gb for r in rows)
     for r in rows:
         if r.memory_gb > limit_memory:
-            raise HycoError(f"preflight: stage {r.stage} needs ~{r.memory_gb:.1f} GiB of memory, over the limit of "
-                            f"{limit_memory:.1f} GiB (limits.memory_gb, or this machine's memory)")
+            raise HycoError(f"preflight: stage {r.stage} needs ~{size_text(r.memory_gb)} of memory, over the limit of "
+                            f"{size_text(limit_memory)} (limits.memory_gb, or this machine's memory)")
     if total_disk > limit_disk:
-        raise HycoError(f"preflight: the stages write ~{total_disk:.1f} GiB, over the limit of {limit_disk:.1f} GiB "
+        raise HycoError(f"preflight: the stages write ~{size_text(total_disk)}, over the limit of {size_text(limit_disk)} "
                         f"(limits.disk_gb, or the free space at {_existing(run_dir)})")
     return rows
+
+
+def size_text(gib: float) -> str:
+    """GiB from 1 GiB up, MiB below (a tiny run's stages need MiB, which "0.0 GiB" hides)."""
+    if gib >= 1:
+        return f"{gib:.1f} GiB"
+    return f"{gib * 1024:.0f} MiB" if gib >= 10 / 1024 else f"{gib * 1024:.1f} MiB"
 
 
 def _existing(path: Path) -> Path:

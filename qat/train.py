@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from hyco.qat.lean_qdq import lean_weight_qdq
 from hyco.qat.mtp import teacher_forced_inputs
 from hyco.qat.quantsim import plain
-from tqdm import tqdm
 
 from hyco.captures import Capture
+from hyco.console import progress
 from hyco.recipe import QatConfig
 
 
@@ -67,7 +67,7 @@ def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cf
     sim.model.train()
     use_autocast = cfg.bf16_autocast and device.type in ("cuda", "cpu")
     with lean_weight_qdq():  # the output layer's fake-quant backward a block of rows at a time (peak)
-        for step in tqdm(range(cfg.steps), desc="qat: train", unit="step", disable=None):
+        for step in progress(range(cfg.steps), desc="qat: train", unit="step", disable=None):
             start = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)

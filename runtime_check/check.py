@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from hyco.runtime_check.metrics import summarize
 from hyco.runtime_check.report import write_report
-from tqdm import tqdm
 
 from hyco.answers import eos_ids_of
+from hyco.console import progress
 from hyco.errors import HycoError
 from hyco.recipe import CheckConfig, DatasetConfig, to_dict
 from hyco.runtime.configs import DecodeConfig, decode_config
@@ -108,7 +108,7 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
     logs = []
     mine = my_positions(len(prompts))
-    for i in tqdm(mine, desc=cfg.name, leave=False):
+    for i in progress(mine, desc=cfg.name, leave=False):
         drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
                                 convert_dir=convert_dir, qat_dir=qat_dir)
         reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
@@ -248,14 +248,14 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     mine = my_positions(len(candidates))
     references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
                                               keyed_seed(config, i), eos))
-                           for i in tqdm(mine, desc="reference texts", leave=False)],
+                           for i in progress(mine, desc="reference texts", leave=False)],
                           len(candidates), "check (reference texts)")
     selection = choose_prompts(candidates, [t for t, _ in references], count)
     chosen = [r["candidate"] for r in selection if r["chosen"]]
     prompt_ids, reference = [candidates[i] for i in chosen], [references[i] for i in chosen]
     seeds = [keyed_seed(config, i) for i in chosen]
     results, lossless = {}, {}
-    for cfg in tqdm(decode_configs, desc="configurations"):
+    for cfg in progress(decode_configs, desc="configurations"):
         run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
                    max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir)
         logs = decode_all(prompt_ids, cfg, config, phone, seeds=seeds, **run)

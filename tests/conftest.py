@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+# Every child process a test starts gets SIGINT at its default. A test session started as a
+# background job of a non-interactive shell (`.ci/run &` in a script) inherits SIGINT ignored,
+# every child would inherit that too, and Python installs no KeyboardInterrupt handler for an
+# ignored SIGINT: a test's Ctrl-C would do nothing (tests/test_interrupts.py met exactly this in
+# CI). A handler here resets to SIG_DFL in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
@@ -66,8 +77,6 @@ def ladder(tmp_path_factory):
 
     from ladder import run_args
 
-    from hyco.cli import main
-
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's folder, above each worker's own
@@ -75,7 +84,11 @@ def ladder(tmp_path_factory):
     with open(root / "ladder.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "run_report.json").is_file():
-            assert main(run_args(out)) == 0
+            # As a user runs it, in its own process: tests/test_console.py reads what it printed.
+            done = subprocess.run([sys.executable, "-m", "hyco.cli", *run_args(out)], capture_output=True, text=True)
+            (root / "ladder" / "stdout.txt").write_text(done.stdout)
+            (root / "ladder" / "stderr.txt").write_text(done.stderr)
+            assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 

@@ -136,3 +136,24 @@ def test_convert_keeps_the_block_scaled_lut_and_passes_parity(block, tmp_path):
     assert np.array_equal(np.asarray(lut.scale), tensors[f"{TABLE}.embedding_scale"].numpy())
     assert np.array_equal(np.asarray(lut.packed), tensors[f"{TABLE}.embedding_quantized"].numpy())
     assert json.loads((out / "parity.json").read_text())["passed"] is True
+
+
+def test_transformers_own_loader_gives_our_block_scaled_rows(block):
+    """transformers 5.25's Gemma QAT quantizer loads a block-scaled `embedding_scale` itself; where
+    the installed release does, its rows must equal our reader's bit for bit. 5.24 refuses such a
+    checkpoint (it allocates [vocab, 1]), which is why convert and check read the table by hand."""
+    import transformers
+    from packaging.version import Version
+    from transformers import AutoModelForCausalLM
+
+    ours = _convert_model(block)[1].embed_tokens_per_layer
+    try:
+        theirs = AutoModelForCausalLM.from_pretrained(str(block), dtype=torch.float32).model.embed_tokens_per_layer
+    except Exception as e:  # noqa: BLE001 - which error 5.24 raises is its own business
+        assert Version(transformers.__version__) < Version("5.25"), f"transformers {transformers.__version__}: {e}"
+        return
+    assert tuple(theirs.embedding_scale.shape) == tuple(ours.embedding_scale.shape)  # not [vocab, 1] of ones
+    ids = torch.arange(0, ours.num_embeddings, 7)
+    with torch.no_grad():
+        assert torch.equal(theirs.embedding_scale, ours.embedding_scale)
+        assert torch.equal(theirs(ids), ours(ids))

@@ -127,6 +127,45 @@ def test_sigint_and_sigterm_inside_convert_calibrate_export_then_rerun_equals_an
         shutil.rmtree(out, ignore_errors=True)
 
 
+def test_children_of_the_tests_start_with_sigint_at_its_default():
+    """tests/conftest.py: even where the test session itself inherited SIGINT ignored."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    assert subprocess.run([PYTHON, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+    # What a background job of a non-interactive shell inherits (`cmd &` in a script): SIGINT ignored.
+    done = subprocess.run(["bash", "-c", f"{PYTHON} -c '{code}' & wait"], capture_output=True, text=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_a_run_that_inherited_sigint_ignored_keeps_it_and_stops_on_sigterm(tmp_path):
+    """The cause of the SIGINT that a CI run finished through with exit 0: a run started as a
+    background job of a non-interactive shell inherits SIGINT ignored, and Python then installs
+    no KeyboardInterrupt handler. The CLI keeps that choice (the shell made it so that a Ctrl-C
+    on the terminal reaches only the foreground job, as nohup does); SIGTERM stops such a run
+    cleanly, with the usual line and nothing half-written."""
+    out = tmp_path / "run"
+    args = [PYTHON, "-m", "hyco.cli", "run", str(RECIPE), "--out", str(out),
+            *set_args(["fixtures.distill=false", "stages=[fixtures,vocab]"])]
+    proc = subprocess.Popen(args, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        for line in proc.stdout:
+            if "[vocab] -> " in line:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        assert proc.poll() is None, "the run stopped on a SIGINT it had inherited as ignored"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert _one_line(err, "hyco-convert run:") == "hyco-convert run: interrupted (SIGTERM); no partial artifact was kept"
+    assert not (out / "vocab").exists() and not _leftovers(out)
+
+
 def test_a_second_process_on_a_locked_folder_refuses_with_the_lock_named(ladder, tmp_path):
     """A holder of the run folder's lock (a process of its own) makes `run` and a stage
     subcommand refuse at once; once the holder is killed with SIGKILL the kernel has released the

@@ -65,7 +65,7 @@ def test_the_stages_hand_each_other_their_artifacts(run_dir):
     # declared whole: the context binaries (and the summary's timings); bundle.json only at their hashes
     declared = export["nondeterministic"]
     assert {k for k, v in declared.items() if v.get("ignore_pointers") is None} == \
-        {"summary.md", *(f"bundle/{n}" for n in export["summary"]["binaries"])}
+        {"summary.md", "stage.log", *(f"bundle/{n}" for n in export["summary"]["binaries"])}
     assert {p.split("/")[-1] for p in declared["bundle/bundle.json"]["ignore_pointers"]} == {"sha256", "compile_s"}
     check = json.loads((run_dir / "check" / "report.json").read_text())
     text = json.dumps(check)

@@ -47,7 +47,9 @@ def test_a_stage_over_the_memory_limit_is_refused_with_its_figure(tiny_family, t
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "preflight: stage answers needs ~" in err[0] and "limits.memory_gb" in err[0], err
-    assert "[preflight] qat: ~" in out.out and "GiB memory" in out.out  # every stage's estimate, printed first
+    assert "[preflight] qat: ~" in out.out and "MiB memory" in out.out  # every stage's estimate, printed first
+    assert "0.0 GiB" not in out.out + out.err  # a tiny run's MiB are shown as MiB
+    assert "over the limit of 1.0 MiB" in err[0], err
     assert not (tmp_path / "run").exists()
 
 

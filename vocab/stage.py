@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 from hyco.vocab.corpus import Deal, TokenCounter, assistant_view, deal
 from hyco.vocab.coverage import comparison_sizes, outside_share_curve, plot_coverage, share_at
-from tqdm import tqdm
 
 from hyco.artifacts import StageEnd, fingerprint, finish_stage, markdown_table, write_json
 from hyco.chat import PACKAGED, iter_conversations
+from hyco.console import progress
 from hyco.errors import HycoError
 from hyco.keepset import (
     CATEGORIES,
@@ -55,7 +55,7 @@ def dataset_fingerprint(dataset: DatasetConfig) -> dict[str, str]:
 def _count_pass(conversations, quotas: dict[str, int], seed: int, view, counters: dict[str, TokenCounter], desc: str) -> Deal:
     state = Deal(quotas=quotas)
     # disable=None: a bar on a terminal, none in logs and captured stderr (errors stay one line).
-    with tqdm(total=sum(quotas.values()), desc=desc, unit="conv", mininterval=1.0, disable=None) as bar:
+    with progress(total=sum(quotas.values()), desc=desc, unit="conv", mininterval=1.0, disable=None) as bar:
         for pool, conv in deal(conversations, quotas, seed, state):
             bar.update(1)
             if pool in counters:

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from hyco.artifacts import write_json
 from hyco.chat import EMPTY_THOUGHT
-from hyco.errors import HycoError
+from hyco.console import progress
+from hyco.errors import HycoError, HycoWarning
 
 ANSWERS = "answers.jsonl"
 ANSWERS_REPORT = "answers.json"
@@ -46,7 +46,7 @@ MAX_TOP_SHARE = 0.5
 MIN_DISTINCT = 20
 
 
-class DegenerateAnswersWarning(UserWarning):
+class DegenerateAnswersWarning(HycoWarning):
     pass
 
 
@@ -121,7 +121,7 @@ def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, m
     eos = eos_ids_of(verifier)
     device = verifier.device
     positions = list(range(len(prompts)) if positions is None else positions)
-    for i in tqdm(positions, desc=f"answers ({source})", unit="prompt", disable=None):
+    for i in progress(positions, desc=f"answers ({source})", unit="prompt", disable=None):
         rec = prompts[i]
         ids = prompt_ids(tokenizer, rec["turns"], max_prompt_tokens)
         limit = max_new_tokens[rec["split"]]

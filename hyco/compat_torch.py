@@ -1,0 +1,31 @@
+"""Every private name of torch the project reads, in one place (tests/test_compat.py runs each
+on the installed release)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+
+def is_persistent_buffer(module: Any, leaf: str) -> bool:
+    """Whether `module`'s buffer `leaf` is saved in its state dict (torch keeps the non-persistent
+    names in a private set)."""
+    return leaf not in module._non_persistent_buffers_set
+
+
+@contextlib.contextmanager
+def onnx_shape_inference_without(names: set[str]):
+    """The TorchScript exporter's ONNX shape inference, blind to the values of `names`: it is the
+    private `torch._C._jit_pass_onnx_graph_shape_type_inference`, replaced for the duration."""
+    from torch import _C
+
+    infer = _C._jit_pass_onnx_graph_shape_type_inference
+
+    def blind(graph, params, opset):
+        return infer(graph, {k: v for k, v in params.items() if k not in names}, opset)
+
+    _C._jit_pass_onnx_graph_shape_type_inference = blind
+    try:
+        yield
+    finally:
+        _C._jit_pass_onnx_graph_shape_type_inference = infer

@@ -1,0 +1,110 @@
+"""The terminal while a stage runs: the stage lines, our progress bars and one-line messages only.
+
+Everything the libraries say (Python warnings, logging INFO lines, onnxruntime's and QNN's C++
+logs, the output of worker processes) goes to the stage's log file, `stage.log` in its folder:
+file descriptors 1 and 2 are pointed at the log for the length of the stage, so C++ code and child
+processes write there too, and our own output reaches the terminal through a saved copy of fd 2
+(`terminal()`). The counts go into the stage's manifest (`log`) and the run's stage line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+STAGE_LOG = "stage.log"
+
+_terminal: TextIO | None = None  # the saved terminal while a stage log is open
+
+
+def terminal() -> TextIO:
+    """Where our own progress and messages go: the terminal, also while a stage log is open."""
+    return _terminal if _terminal is not None else sys.stderr
+
+
+def is_ours(category: type[Warning]) -> bool:
+    """A warning class of this package's own (a corpus cut mid-record, degenerate answers): it is
+    about the user's input and is shown on the terminal as one line."""
+    return category.__module__.split(".")[0] == "hyco"
+
+
+def progress(iterable=None, **kwargs):
+    """tqdm on the terminal (fd 2 itself goes to the stage's log while a stage runs)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=terminal(), **kwargs)
+
+
+@dataclass
+class LogCounts:
+    path: Path
+    warnings: int = 0  # through Python's warnings module
+    lines: int = 0  # every line of the log, warnings included
+
+    def record(self) -> dict:
+        return {"file": self.path.name, "warnings": self.warnings, "lines": self.lines}
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):  # pytest's capsys, a StringIO
+        return None
+
+
+@contextlib.contextmanager
+def stage_log(path: Path) -> Iterator[LogCounts]:
+    """Send fds 1 and 2, Python's warnings and whatever the libraries log to `path` while the
+    block runs; HycoWarnings (about the user's input) still reach the terminal as one line."""
+    global _terminal
+    counts = LogCounts(Path(path))
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    previous_terminal, previous_show = _terminal, warnings.showwarning
+    # Where sys.stderr is not fd 2 (a test's capture) our messages go where they went before.
+    _terminal = (open(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+                 if _fileno(sys.stderr) == 2 else sys.stderr)
+
+    log_text = open(log_fd, "a", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if is_ours(category):
+            previous_show(message, category, filename, lineno, file, line)
+            return
+        counts.warnings += 1  # written to the log itself: sys.stderr may be redirected to the terminal
+        log_text.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        warnings.showwarning = show
+        yield counts
+    finally:
+        warnings.showwarning = previous_show
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(ValueError, OSError):
+                stream.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        log_text.close()
+        os.close(log_fd)
+        if _terminal is not sys.stderr:
+            _terminal.close()
+        _terminal = previous_terminal
+        counts.lines = _count_lines(path)
+
+
+def _count_lines(path: Path) -> int:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return 0

@@ -1,0 +1,127 @@
+"""Each private name of transformers, torch and onnxruntime the project reads, run on the installed
+release and held to what it must compute: a release that drops or changes one fails here, in one
+line naming it, before convert or calibrate meets it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from hyco import compat_torch, compat_transformers
+from hyco.gemma_quant import int_range, pack, unpack
+
+
+def test_rms_norm_eps_is_read_from_the_installed_gemma4_norm():
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    norm = Gemma4RMSNorm(8, eps=3e-5)
+    assert compat_transformers.rms_norm_eps(norm) == pytest.approx(3e-5, rel=0, abs=0)
+
+
+def test_decomposed_rmsnorm_computes_the_installed_gemma4_norm():
+    """convert's RMSNorm (x*x, mean, +eps, Reciprocal(Sqrt)) against transformers' own forward
+    (`pow(-0.5)` in 5.24 and 5.25), on values spread over six decades. Tolerance 2 fp32 ulps of the
+    output scale: Reciprocal(Sqrt) and pow(-0.5) round differently in the last bit."""
+    from hyco.convert.rewrites import decompose_rmsnorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    torch.manual_seed(0)
+    for with_scale in (True, False):
+        norm = Gemma4RMSNorm(64, eps=1e-6, with_scale=with_scale)
+        if with_scale:
+            norm.weight.data = torch.randn(64)
+        ours = decompose_rmsnorm(norm)
+        x = torch.randn(3, 5, 64) * torch.logspace(-3, 3, 5)[None, :, None]
+        with torch.no_grad():
+            want, got = norm(x), ours(x)
+        assert ours.eps == (norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+        torch.testing.assert_close(got, want, rtol=2.4e-7, atol=2 * torch.finfo(torch.float32).eps
+                                   * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_transformers_unpack_equals_the_packing(bits):
+    lo, hi = int_range(bits)
+    ints = torch.randint(lo, hi + 1, (7, 13), dtype=torch.int8, generator=torch.Generator().manual_seed(bits))
+    stored = pack(ints, bits)
+    assert torch.equal(compat_transformers.unpack_gemma_ints(stored, bits, 13).to(torch.int8), ints)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_transformers_dequantized_weight_is_ints_times_scale(bits):
+    from transformers.integrations.gemma_quant import QuantizedLinear
+
+    lo, hi = int_range(bits)
+    ints = torch.randint(lo, hi + 1, (6, 10), dtype=torch.int8, generator=torch.Generator().manual_seed(bits))
+    module = QuantizedLinear(10, 6, num_bits=bits)
+    module.weight.data = pack(ints, bits)
+    module.weight_scale.data = torch.rand(6, 1) + 0.5
+    want = unpack(pack(ints, bits), bits, 10).float() * module.weight_scale.data
+    assert torch.equal(compat_transformers.dequantized_weight(module, torch.float32), want)
+    assert torch.equal(compat_transformers.dequantized_weight(module), want)
+
+
+def test_skeleton_from_config_builds_the_class_from_its_config():
+    from accelerate import init_empty_weights
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    config = Gemma4TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                              hidden_size_per_layer_input=4, vocab_size_per_layer_input=64)
+    with init_empty_weights(include_buffers=False):
+        model = compat_transformers.skeleton_from_config(Gemma4ForCausalLM, config, dtype=torch.float32)
+    assert type(model) is Gemma4ForCausalLM and model.config.hidden_size == 16
+    assert next(model.parameters()).device.type == "meta"
+
+
+def test_persistent_buffers_are_told_apart():
+    module = torch.nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("computed", torch.zeros(1), persistent=False)
+    assert compat_torch.is_persistent_buffer(module, "kept")
+    assert not compat_torch.is_persistent_buffer(module, "computed")
+    assert set(module.state_dict()) == {"kept"}
+
+
+def test_onnx_shape_inference_without_leaves_the_exported_graph_unchanged():
+    """The blind shape inference must still export the same graph (it only keeps the values of the
+    named parameters from being serialized)."""
+    import onnx
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return x @ self.w
+
+    def export(names):
+        buffer = io.BytesIO()
+        with compat_torch.onnx_shape_inference_without(names), torch.no_grad():
+            torch.onnx.export(Tiny().eval(), (torch.ones(2, 4),), buffer, dynamo=False, do_constant_folding=False,
+                              opset_version=20, input_names=["x"], output_names=["y"])
+        return onnx.load_from_string(buffer.getvalue())
+
+    torch.manual_seed(0)
+    plain = export(set())
+    torch.manual_seed(0)
+    blind = export({"w"})
+    assert plain.graph.SerializeToString() == blind.graph.SerializeToString()
+    from torch import _C
+
+    assert _C._jit_pass_onnx_graph_shape_type_inference.__name__ != "blind"  # restored
+
+
+def test_onnxruntime_patch_targets_exist_on_the_installed_release(tmp_path):
+    """calibrate/ort_patches.py is onnxruntime's compat module: it replaces private functions, guarded
+    by version. Every name it replaces exists here, and the guard accepts this release."""
+    from hyco.calibrate import ort_patches
+
+    ort_patches.require_proven_onnxruntime()
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}"
+               for owner, name, _ in ort_patches._patches(tmp_path, True, False) if not hasattr(owner, name)]
+    assert missing == []
