@@ -41,7 +41,7 @@ PLUMBING = (
     "answers.max_prompt_tokens=64", "qat.calibration_sequences=2",
     "answers.source=corpus",  # a random verifier's greedy text is degenerate
     "calibrate.prompts=2", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=24", "calibrate.max_passes=8",
-    "calibrate.sqnr_passes=2", "calibrate.htp_check=false",  # the HTP simulator: ~1 min per pass at full size
+    "calibrate.sqnr_passes=2", "calibrate.max_kl=null", "calibrate.min_sqnr_db=null", "calibrate.htp_check=false",  # the HTP simulator: ~1 min per pass at full size
     "export.smoke_prompts=0",
 )
 # Table 3 of the paper (decimal MB) and the phone's memory bandwidth for the floor of a pass.

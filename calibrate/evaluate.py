@@ -89,6 +89,56 @@ def sqnr(ref_model, q_model, feeds: list[dict], tmp: Path, tag: str, rows: list[
     return sqnr_db(list(names), *taps)
 
 
+# Ops whose outputs are no activations to measure: constants, quantization nodes, shape plumbing.
+NOT_ACTIVATIONS = {"Constant", "QuantizeLinear", "DequantizeLinear", "Shape", "Gather", "Unsqueeze", "Squeeze",
+                   "Reshape", "Transpose", "Concat", "Slice", "Cast", "TopK", "Expand", "Tile"}
+
+
+def layer_nodes(model, layer: str | None):
+    """The nodes of decoder layer `layer` ('layer 6': convert's `/layers.6/...` names), or every
+    node where the graph names no layers (qat's flat step graph)."""
+    index = None if layer is None else layer.split()[-1]
+    mine = [n for n in model.graph.node if index is not None and f"/layers.{index}/" in n.name]
+    return mine or list(model.graph.node)
+
+
+def dequantized_copies(model) -> dict[str, str]:
+    """tensor -> the output of its QuantizeLinear -> DequantizeLinear pair (what its readers get)."""
+    q_of = {n.input[0]: n.output[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    dq_of = {n.input[0]: n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return {t: dq_of[q] for t, q in q_of.items() if q in dq_of}
+
+
+def tensor_losses(ref_model, q_model, layer: str | None, feeds: list[dict], tmp: Path, tag: str,
+                  weights: tuple[Path | None, Path | None] = (None, None)) -> list[dict[str, Any]]:
+    """Where `layer` loses its decibels: for each activation its nodes compute, the SQNR of the
+    QDQ graph's value against the float graph's (`sqnr_db`, all error so far) and the SQNR of its
+    own grid (`grid_sqnr_db`: its 16-bit copy against its value in the QDQ graph, the rounding this
+    one grid adds; the QDQ graph keeps each op's output name, its Q/DQ pair come after). Coarsest
+    grid first: the first row is the tensor to look at."""
+    from hyco.calibrate.stage import extra_output_session
+
+    copies = dequantized_copies(q_model)
+    q_names = {o for n in q_model.graph.node for o in n.output}
+    nodes = [n for n in layer_nodes(ref_model, layer) if n.op_type not in NOT_ACTIVATIONS and n.output[0] in q_names]
+    names = [n.output[0] for n in nodes]
+    if not names:
+        return []
+    dq = [copies[t] for t in names if t in copies]
+    ref = layer_taps(extra_output_session(ref_model, names, tmp, f"{tag}_ref", weights[0]), names, feeds,
+                     [None] * len(feeds))
+    q = layer_taps(extra_output_session(q_model, names + dq, tmp, f"{tag}_q", weights[1]), names + dq, feeds,
+                   [None] * len(feeds))
+    own = sqnr_db(names, ref, [x[:len(names)] for x in q])
+    by_name = [dict(zip(names + dq, x, strict=True)) for x in q]
+    quantized = [t for t in names if t in copies]
+    grid = sqnr_db(quantized, [[x[t] for t in quantized] for x in by_name],
+                   [[x[copies[t]] for t in quantized] for x in by_name])
+    rows = [{"tensor": n.output[0], "op": n.op_type, "sqnr_db": round(own[n.output[0]], 2),
+             "grid_sqnr_db": round(grid[n.output[0]], 2) if n.output[0] in grid else None} for n in nodes]
+    return sorted(rows, key=lambda r: r["grid_sqnr_db"] if r["grid_sqnr_db"] is not None else math.inf)
+
+
 def top_margin(logprobs: np.ndarray) -> np.ndarray:
     """The float graph's top-1 minus top-2 log-prob per row: how close a row is to a tie."""
     part = np.partition(logprobs, -2, axis=-1)

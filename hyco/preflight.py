@@ -47,6 +47,13 @@ class Estimate:
     memory_gb: float
     disk_gb: float
     device: str
+    basis: str = "estimated"  # or why there is no figure: no model loaded, or one an earlier stage makes
+
+    def text(self) -> str:
+        if self.basis != "estimated":
+            return f"[preflight] {self.stage}: {self.basis}, on {self.device}"
+        return (f"[preflight] {self.stage}: ~{size_text(self.memory_gb)} memory, ~{size_text(self.disk_gb)} disk, "
+                f"on {self.device}")
 
 
 def checkpoint_bytes(folder: Path) -> int:
@@ -127,7 +134,9 @@ def estimate(stages: tuple[str, ...], sizes: dict[str, int], growth: dict[str, f
         memory = mem_factor * sizes.get(mem_role, 0) / GiB
         disk = disk_factor * sizes.get(disk_role, 0) / GiB
         onnx = stage in ("convert", "calibrate", "export")
-        rows.append(Estimate(stage, round(memory, 2), round(disk, 2), "CPU (onnxruntime, QNN)" if onnx else where))
+        basis = ("estimated" if mem_role in sizes else "loads no model" if mem_role is None
+                 else f"not estimated (its {mem_role} is made by an earlier stage of this run)")
+        rows.append(Estimate(stage, memory, disk, "CPU (onnxruntime, QNN)" if onnx else where, basis))
     return rows
 
 
@@ -165,7 +174,7 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
     limit_memory = recipe.limits.memory_gb or machine_memory_gb()
     limit_disk = recipe.limits.disk_gb or free_disk
     for r in rows:
-        log(f"[preflight] {r.stage}: ~{size_text(r.memory_gb)} memory, ~{size_text(r.disk_gb)} disk, on {r.device}")
+        log(r.text())
     total_disk = sum(r.disk_gb for r in rows)
     for r in rows:
         if r.memory_gb > limit_memory:

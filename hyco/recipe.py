@@ -167,9 +167,16 @@ class CalibrateConfig:
     simulator_passes: int = 3  # passes per graph run on the HTP simulator (seconds each)
     seed: int = 0
     fidelity_seeds: int = 1  # calibration samples (seeds seed, seed + 1, ...) the fidelity figures are measured over
+    # The fidelity floor: a deployed graph whose mean KL against its float graph on the eval answers
+    # is above max_kl nats, or one of whose layers' SQNR is below min_sqnr_db, is not faithful and
+    # the stage fails (calibrate/stage.py FLOOR_BASIS: the measurements behind these defaults).
+    # None: no such floor (the random-weight fixtures that test the pipeline, not fidelity).
+    max_kl: float | None = 0.015
+    min_sqnr_db: float | None = 20.0
 
     def __post_init__(self):
         _require(self.prompts >= 1, f"calibrate.prompts must be >= 1, but got {self.prompts}")
+        _require(self.max_kl is None or self.max_kl > 0, f"calibrate.max_kl must be > 0 or null, but got {self.max_kl}")
         _require(self.fidelity_seeds >= 1, f"calibrate.fidelity_seeds must be >= 1, but got {self.fidelity_seeds}")
         _require(self.eval_prompts >= 1, f"calibrate.eval_prompts must be >= 1, but got {self.eval_prompts}")
         _require(50.0 < self.kv_percentile <= 100.0, f"calibrate.kv_percentile must be in (50, 100], but got {self.kv_percentile}")

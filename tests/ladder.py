@@ -20,6 +20,8 @@ LADDER = [
     "qat.steps=2", "qat.calibration_sequences=1", "answers.max_new_tokens_train=16", "answers.max_new_tokens_eval=12",
     "calibrate.prompts=2", "calibrate.eval_prompts=1", "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2",
     "calibrate.htp_check=false", "calibrate.fidelity_seeds=2",
+    # random weights and 2 calibration prompts: no faithful graph, and not what the ladder tests
+    "calibrate.max_kl=null", "calibrate.min_sqnr_db=null",
     "export.smoke_prompts=0",
     "check.prompts=2", "check.max_new_tokens=8", "check.configs=[hyco,hyco-exact,cloud-mtp]",
 ]

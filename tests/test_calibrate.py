@@ -539,7 +539,8 @@ def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated,
     prepared, _ = prepare.prepare_mtp(onnx.load(str(run / "qat" / MTP_GRAPH)))
     prepare.save(prepared, tmp_path / "mtp.prepared.onnx")
     specs = {g: read_io_spec(out / "io_spec.json")[name] for g, name in OUT_NAMES.items()}
-    config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=1, mtp_positions=1, mtp_steps=2)
+    config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=1, mtp_positions=1, mtp_steps=2,
+                             max_kl=None, min_sqnr_db=None)
     fidelity = evaluate.run_all(run / "convert", run / "qat", out, inputs, config, specs["tree"].meta["mask_negative"],
                                 specs["mtp"].meta["mask_negative"], tmp_path)
     results = htp_checks(out, specs, fidelity["htp_feeds"], passes=1)
@@ -570,7 +571,7 @@ def test_slm_sqnr_from_the_fidelity_sessions_equals_fresh_sessions(tiny_calibrat
     seen = []
     real = evaluate.layer_taps
     monkeypatch.setattr(evaluate, "layer_taps", lambda s, t, f, r: seen.append((f, r)) or real(s, t, f, r))
-    config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=2)
+    config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=2, max_kl=None, min_sqnr_db=None)
     result = evaluate.run_slm(run / "convert", out, inputs, config, negative, tmp_path, Phases("test"))
     assert len(seen) == 4  # float then QDQ, per graph, on the same feeds
     for i, (g, name) in enumerate(SLM_GRAPHS.items()):

@@ -19,6 +19,7 @@ SIZES = [  # the tiny family's scale: the rest of the recipe stays the paper's
     "convert.ring_sliding=64", "convert.parity=false", "qat.steps=2", "qat.warmup_steps=1", "qat.bf16_autocast=false",
     "qat.window=128", "qat.calibration_sequences=1", "calibrate.prompts=2", "calibrate.eval_prompts=1",
     "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2", "calibrate.simulator_passes=1",
+    "calibrate.max_kl=null", "calibrate.min_sqnr_db=null",  # the published family's random weights: no floor
     "export.smoke_prompts=1", "export.smoke_rounds=2", "check.prompts=2", "check.max_new_tokens=8",
     "check.configs=[hyco,hyco-exact]",
 ]
