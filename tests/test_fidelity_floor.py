@@ -11,10 +11,9 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from hyco.calibrate.evaluate import tensor_losses
 from hyco.calibrate.stage import floor_failure, proof_failures
+from onnx import TensorProto, helper, numpy_helper
 
 
 def _layer_graph(coarse: str | None) -> onnx.ModelProto:
