@@ -3,7 +3,8 @@ undistilled family, run as a fresh `hyco-convert` process, and a byte-for-byte c
 run folders.
 
 What may differ between two runs, and nothing else:
-- in every manifest.json (the stage's run record): wall_s, peak_rss_mb, argv, processes, skipped and the input
+- in every manifest.json (the stage's run record): wall_s, peak_rss_mb, argv, processes, skipped, log (the
+  count of library lines: a warning Python shows once per process may fall in another stage) and the input
   fingerprints (mtimes of files a rebuilt earlier stage rewrote); in its summary, fields that are
   measurements of time or memory (names ending in _s, _per_s, per_step, _mb);
 - run_report.json / run_summary.md: the run's log (statuses, timings);
@@ -28,7 +29,7 @@ from ladder import LADDER, run_args
 SMALL = [*LADDER, "convert.parity=true", "calibrate.eval_prompts=2", "calibrate.max_new_tokens=12",
          "calibrate.max_passes=8", "calibrate.htp_check=true", "calibrate.simulator_passes=1"]
 RUN_LOGS = ("run_report.json", "run_summary.md")
-_VOLATILE_MANIFEST = ("wall_s", "peak_rss_mb", "argv", "skipped", "key", "processes")
+_VOLATILE_MANIFEST = ("wall_s", "peak_rss_mb", "argv", "skipped", "key", "processes", "log")
 _MEASURED = re.compile(r"(_s|_per_s|per_step|_mb)$")
 
 
