@@ -27,11 +27,33 @@ def test_pass_comparison_counts_ties_and_mismatches():
     per_graph.record("tree", names, [np.array([[-1.02, -1.04, -3.05]]), np.array([[7, 5, 9]])], cpu)
     assert [(r["bound"], r["id_mismatches"], per_graph.ok(r)) for r in per_graph.rows] == [(0.01, 2, False),
                                                                                           (1.0, 0, True)]
+    loose = PassLog(tolerance=5.0)  # a loose bound does not make a swap across 1 nat a tie
+    loose.record("tree", names, [np.array([[-1.0, -2.0, -3.0]]), np.array([[7, 5, 9]])],
+                 [np.array([[-1.0, -2.0, -3.0]]), np.array([[5, 7, 9]])])
+    assert (loose.rows[0]["tie_swaps"], loose.rows[0]["id_mismatches"], loose.rows[0]["tie_margin"]) == (0, 2, 0.35)
+    assert not loose.ok(loose.rows[0])
     padded = PassLog(tolerance=0.1)  # row 1 is a padding row: never read, so never compared
     two = [np.array([[-1.0, -1.05, -3.0], [-1.0, -1.0, -1.0]]), np.array([[5, 7, 9], [1, 2, 3]])]
     padded.record("tree", names, [two[0] + [[0, 0, 0], [0, 0, -5]], np.array([[5, 7, 9], [3, 2, 1]])], two, active=1)
     padded.record("tree", names, [two[0] + [[0, 0, 0], [0, 0, -5]], np.array([[5, 7, 9], [3, 2, 1]])], two)
     assert [(r["rows"], r["tie_swaps"], padded.ok(r)) for r in padded.rows] == [(1, 0, True), (2, 2, False)]
+
+
+def test_a_graph_whose_top1_swaps_on_many_rows_fails_the_floor_though_each_swap_is_a_tie():
+    from hyco.export.smoke import TOP1_FLOOR, below_top1_floor, pass_totals
+
+    from hyco.pass_compare import PassLog
+
+    names = ["topk_logprobs", "topk_ids"]
+    cpu = [np.array([[-1.0, -1.05, -3.0]] * 10), np.array([[5, 7, 9]] * 10)]
+    swapped = [np.array([[-1.0, -1.05, -3.0]] * 10), np.array([[7, 5, 9]] * 2 + [[5, 7, 9]] * 8)]
+    log = PassLog(tolerance=1.0)
+    log.record("prefill", names, swapped, cpu)  # 2 of 10 rows swap their top-1, each within the tie margin
+    log.record("tree", names, cpu, cpu)
+    assert log.rows[0]["id_mismatches"] == 0 and log.ok(log.rows[0])
+    totals = pass_totals(log, {"prefill": 1.0, "tree": 1.0})
+    assert totals["prefill"]["top1_share"] == 0.8 < TOP1_FLOOR and totals["tree"]["top1_share"] == 1.0
+    assert below_top1_floor(totals) == ["prefill"]
 
 
 def test_commits_compare_as_streams_and_a_different_length_needs_a_tie():
