@@ -67,7 +67,11 @@ def stage_log(path: Path) -> Iterator[LogCounts]:
     counts = LogCounts(Path(path))
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    try:
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+    except OSError:  # a parent closed stdout or stderr: nothing to keep off a terminal
+        yield counts
+        return
     log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     previous_terminal, previous_show = _terminal, warnings.showwarning
     # Where sys.stderr is not fd 2 (a test's capture) our messages go where they went before.
