@@ -38,7 +38,8 @@ import numpy as np
 from hyco.answers import MAX_TOP_SHARE, text_stats
 from hyco.artifacts import markdown_table, write_json
 from hyco.errors import HycoError
-from hyco.pass_compare import TIE_MARGIN, PassLog
+from hyco.io_spec import Role
+from hyco.pass_compare import KV_STEPS, TIE_MARGIN, PassLog
 
 # Per graph, the share of rows whose HTP top-1 must equal the CPU's: faithful bundles measured 98-100%
 # (the tiny main job, 4 prompts x 3 rounds: tree 97/100, prefill 208/211, MTP 48/48); a prefill graph whose softcap the HTP
@@ -181,7 +182,7 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
     htp, cpu = BundleSessions(bundle, backend="qnn", isolate=isolate), BundleSessions(bundle, backend="cpu", isolate=False)
     graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
         (k.split(".")[0] for k in specs), float(tolerance))
-    log = PassLog(graph_bound)
+    log = PassLog(graph_bound, kv_steps=kv_grid_steps(specs))
     try:
         results = run_prompts(prompt_ids, rounds, bundle, opened, cfg, htp, cpu, log)
         timings = {"htp (simulation, not phone speed)": htp.timings(), "cpu (onnxruntime, QDQ)": cpu.timings()}
@@ -292,6 +293,12 @@ def run_prompts(prompt_ids: list[list[int]], rounds: int, bundle: Path, opened: 
     return results
 
 
+def kv_grid_steps(specs: dict) -> dict[str, dict[str, float]]:
+    """Per graph role, each new K/V output's grid step (io_spec's quantization of the tensor)."""
+    return {key.split(".")[0]: {t.name: float(t.quant["scale"]) for t in spec.outputs
+                                if t.role is Role.NEW_KV and t.quant} for key, spec in specs.items()}
+
+
 def below_top1_floor(by_role: dict[str, dict[str, Any]]) -> list[str]:
     """The graphs whose HTP top-1 equals the CPU's on fewer than TOP1_FLOOR of their rows."""
     return sorted(role for role, v in by_role.items() if v["top1_share"] < TOP1_FLOOR)
@@ -309,7 +316,8 @@ def pass_totals(log: PassLog, graph_bound: dict[str, float]) -> dict[str, dict[s
                          "widest_tie_nats": round(max(p["widest_tie_nats"] for p in rows), 5),
                          "max_logprob_diff": round(max(p["max_logprob_diff"] for p in rows), 5),
                          "bound": round(graph_bound[role], 5),
-                         "max_kv_diff": round(max((p["max_kv_diff"] or 0.0) for p in rows), 5)}
+                         "max_kv_diff": round(max((p["max_kv_diff"] or 0.0) for p in rows), 5),
+                         "max_kv_steps": round(max((p.get("max_kv_steps") or 0.0) for p in rows), 2)}
     return by_role
 
 
@@ -318,12 +326,13 @@ def smoke_markdown(report: dict[str, Any], prompts: int, reference_tokens: int) 
     md = f"## smoke on `{report['bundle']}`\n\n{report['headline']}.\n\n"
     md += markdown_table([{"graph": k, **v} for k, v in report["by_graph"].items()],
                          ["graph", "passes", "rows", "id_mismatches", "tie_swaps", "widest_tie_nats", "top1_equal",
-                          "top1_share", "max_logprob_diff", "bound", "max_kv_diff"])
+                          "top1_share", "max_logprob_diff", "bound", "max_kv_diff", "max_kv_steps"])
     md += (f"\nA pass agrees when its top-k ids are equal but for swaps of tokens whose CPU log-probs are within "
            f"{TIE_MARGIN} nats (hyco/pass_compare.py: twice the largest HTP-vs-CPU difference measured on faithful "
            f"bundles) and its sorted top-k log-probs are within the graph's bound; each graph's HTP top-1 must equal "
            f"the CPU's on at least {TOP1_FLOOR:.0%} of its rows (faithful bundles: 97-100%; a broken prefill graph: "
-           "15%).\n")
+           f"15%); the new K/V rows a pass writes into the ring must be within {KV_STEPS} steps of their 8-bit grid "
+           "(faithful: 2.3).\n")
     md += (f"\nPrompts: the first {prompts} of the bundle's {len(selection)} evaluation prompts whose reference "
            f"text (the verifier's own sampled continuation, {reference_tokens} tokens, T 1, top-k 64, "
            f"top-p 0.95, each token keyed by its position) is at most {MAX_TOP_SHARE:.0%} one token; "

@@ -173,3 +173,58 @@ def test_check_runs_both_drafters_on_the_bundle_with_the_qnn_backend(tiny_export
     lossless = report["lossless"]["hyco-exact"]
     assert lossless["equal"] and lossless["tokens_compared"] == 8 and lossless["accepted_draft_tokens"] > 0
     assert report["configs"]["hyco-exact"]["mat"] > 1.0
+
+
+def mutated_copy(bundle, out, graph: str, tensor: str):
+    """A copy of `bundle` whose CPU reference graph for `graph` reads `tensor` at twice its scale (its
+    DequantizeLinear's scale doubled; the QuantizeLinear before it keeps the grid), bundle.json
+    re-sealed. smoke compares the HTP on the context binary with the CPU on this reference, so a
+    wrong scale on either side is the same disagreement; mutating the reference spares an export
+    per case and tests smoke's rule, not QNN's converter."""
+    import hashlib
+    import json
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    shutil.copytree(bundle, out)
+    path = out / "reference" / f"{graph}.qdq.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    quantized = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and quantized.get(n.input[0]) == tensor)
+    doubled = numpy_helper.from_array(numpy_helper.to_array(inits[dq.input[1]]) * 2, dq.input[1] + "__x2")
+    model.graph.initializer.append(doubled)
+    dq.input[1] = doubled.name
+    onnx.save(model, str(path))
+    meta = json.loads((out / "bundle.json").read_text())
+    meta["files"][f"reference/{graph}.qdq.onnx"] = {"bytes": path.stat().st_size,
+                                                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    (out / "bundle.json").write_text(json.dumps(meta, indent=2))
+    return out
+
+
+# Measured on the main job's bundle (2 prompts x 3 rounds): the value projection of prefill's layer 3
+# at 2x wrote K/V rows 42 grid steps off while every log-prob stayed within 0.31 nats, and layer 4's
+# gate projection at 2x moved the tree's log-probs by 0.34 nats with two swaps across 0.35: both
+# passed smoke's earlier rule (a tie anywhere within the 1.6-2.1 nat bound, no K/V rule). The
+# softcap's Tanh at 2x (the fault issue 37 met on the HTP): 2.76 nats, top-1 on 37% of rows.
+MUTATIONS = [("prefill", "/layers.3/attn/v_proj/MatMul_output_0"), ("tree", "/layers.4/mlp/gate_proj/MatMul_output_0"),
+             ("tree", "/output/Tanh_output_0")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("graph,tensor", MUTATIONS, ids=["v_proj", "gate_proj", "softcap_tanh"])
+def test_smoke_fails_on_a_bundle_with_one_activation_scale_off_by_2x(smoked, tiny_export_distilled,
+                                                                     tiny_family_distilled, tmp_path, graph, tensor):
+    from hyco.export.smoke import smoke
+
+    assert smoked["passed"], smoked["headline"]  # the same bundle unmutated
+    bundle = mutated_copy(tiny_export_distilled[1], tmp_path / "bundle", graph, tensor)
+    report = smoke(bundle=bundle, verifier=tiny_family_distilled["verifier"], prompts=2, rounds=2, tolerance=None,
+                   isolate=True, out=tmp_path / "smoke")
+    assert not report["passed"], report["headline"]
+    row = report["by_graph"][graph]
+    assert row["id_mismatches"] or row["max_logprob_diff"] > row["bound"] or row["max_kv_steps"] > 4 \
+        or row["top1_share"] < 0.9, row
