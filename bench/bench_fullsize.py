@@ -58,13 +58,14 @@ def run_one(stage: str, recipe_path: Path, run_dir: Path, overrides: list[str]) 
     import logging
 
     from hyco.artifacts import run_stage
+    from hyco.console import TerminalStream
     from hyco.recipe import load_recipe
     from hyco.stages import load_stage, stage_dir, stage_section
 
     # each phase's wall time and peak RSS so far, as it ends (also in the stage's report.json)
     phases = logging.getLogger("hyco.phases")
     phases.setLevel(logging.INFO)
-    phases.addHandler(logging.StreamHandler(sys.stderr))
+    phases.addHandler(logging.StreamHandler(TerminalStream()))  # the stage's log holds fd 2, not this log
     phases.propagate = False  # aimet configures the root logger: once is enough
 
     recipe = load_recipe(recipe_path, overrides)

@@ -29,6 +29,17 @@ def terminal() -> TextIO:
     return _terminal if _terminal is not None else sys.stderr
 
 
+class TerminalStream:
+    """A file-like view of `terminal()` at each write: for a logging handler made before a stage
+    opens its log (bench/bench_fullsize.py shows each phase as it ends)."""
+
+    def write(self, text: str) -> int:
+        return terminal().write(text)
+
+    def flush(self) -> None:
+        terminal().flush()
+
+
 def is_ours(category: type[Warning]) -> bool:
     """A warning class of this package's own (a corpus cut mid-record, degenerate answers): it is
     about the user's input and is shown on the terminal as one line."""
