@@ -30,7 +30,7 @@ def test_two_fresh_runs_write_identical_artifacts(reference_run):
         binaries = {f"bundle/{n}" for n in manifest["summary"]["binaries"]}
         assert len(binaries) == 3 and all(n.endswith(".bin") for n in binaries)
         assert {k for k, v in declared.items() if k.startswith("export/") and v.get("ignore_pointers") is None} == \
-            {f"export/{n}" for n in (*binaries, "summary.md")}
+            {f"export/{n}" for n in (*binaries, "summary.md", "stage.log")}
         assert {p.split("/")[-1] for p in declared["export/bundle/bundle.json"]["ignore_pointers"]} == \
             {"sha256", "compile_s"}
         compared = [k for k in manifest["outputs"] if k.startswith("bundle/") and k not in manifest["nondeterministic"]]
