@@ -73,11 +73,13 @@ def _fileno(stream) -> int | None:
 @contextlib.contextmanager
 def stage_log(path: Path) -> Iterator[LogCounts]:
     """Send fds 1 and 2, Python's warnings and whatever the libraries log to `path` while the
-    block runs; HycoWarnings (about the user's input) still reach the terminal as one line."""
+    block runs; this package's own warnings (about the user's input) still reach the terminal as
+    one line."""
     global _terminal
     counts = LogCounts(Path(path))
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        with contextlib.suppress(ValueError, OSError):
+            stream.flush()
     try:
         saved = {fd: os.dup(fd) for fd in (1, 2)}
     except OSError:  # a parent closed stdout or stderr: nothing to keep off a terminal
