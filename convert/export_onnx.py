@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from hyco.convert.static_model import IntLinear, StaticGemma
 
+from hyco.compat_torch import onnx_shape_inference_without
 from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec
 
@@ -83,19 +84,6 @@ def weight_tensor(name: str, value):
     return numpy_helper.from_array(value.detach().cpu().numpy(), name)
 
 
-def shape_inference_without(names: set[str]):
-    """The TorchScript exporter's ONNX shape inference, blind to the values of `names`.
-
-    The exporter hands every parameter's value to ONNX shape inference, which serializes it into
-    a proto: the int stand-ins (zero-stride, one byte each) were expanded to contiguous int8 and
-    copied again, 2x the int8 size of each linear at once (GBs for a 262,144-row output layer).
-    Without the values the inputs keep their traced type and shape, which is all a
-    DequantizeLinear needs: the exported graph is byte-identical."""
-    from hyco.compat_torch import onnx_shape_inference_without
-
-    return onnx_shape_inference_without(names)
-
-
 def export_raw(static: StaticGemma, rows: int, folder: Path, name: str) -> GraphSpec:
     """torch's export of the module for `rows` rows into `folder` (opset 20), without weights:
     every parameter and buffer is a graph input named by its module path; `finalize` writes them."""
@@ -103,7 +91,7 @@ def export_raw(static: StaticGemma, rows: int, folder: Path, name: str) -> Graph
 
     spec = static.io_spec(rows, name)
     folder.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings(), torch.no_grad(), shape_inference_without(set(int_linears(static))):
+    with warnings.catch_warnings(), torch.no_grad(), onnx_shape_inference_without(set(int_linears(static))):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         # keep_initializers_as_inputs: no deduplication of equal-valued weights (the ints'
         # all-zero stand-ins are equal by value; so would be two layers with the same ints).

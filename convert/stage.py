@@ -298,7 +298,7 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     copied to luts/ file to file, and build_static_model hands each layer's packed tensors to the
     static module (IntLinear.packed, no copy) and drops transformers' layer. The tracer sees
     zero-stride int stand-ins and records no weight, and torch's ONNX shape inference is kept
-    from copying them (export_onnx.shape_inference_without); finalize writes one initializer at
+    from copying them (compat_torch.onnx_shape_inference_without); finalize writes one initializer at
     a time from the packed bytes; bitexact reads both sides through memory maps in row blocks.
     The transients on top: the trace's float activations (prefill rows x head rows), finalize's
     largest initializer twice (its INT4 bytes and the proto's copy), bitexact's 16 M-value blocks.

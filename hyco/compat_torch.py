@@ -15,8 +15,13 @@ def is_persistent_buffer(module: Any, leaf: str) -> bool:
 
 @contextlib.contextmanager
 def onnx_shape_inference_without(names: set[str]):
-    """The TorchScript exporter's ONNX shape inference, blind to the values of `names`: it is the
-    private `torch._C._jit_pass_onnx_graph_shape_type_inference`, replaced for the duration."""
+    """The TorchScript exporter's ONNX shape inference (the private
+    `torch._C._jit_pass_onnx_graph_shape_type_inference`), blind to the values of `names` for the
+    duration. The exporter hands every parameter's value to ONNX shape inference, which serializes
+    it into a proto: convert's int stand-ins (zero-stride, one byte each) were expanded to
+    contiguous int8 and copied again, 2x the int8 size of each linear at once (GBs for a
+    262,144-row output layer). Without the values the inputs keep their traced type and shape,
+    which is all a DequantizeLinear needs: the exported graph is byte-identical."""
     from torch import _C
 
     infer = _C._jit_pass_onnx_graph_shape_type_inference

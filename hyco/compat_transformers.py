@@ -38,7 +38,7 @@ def unpack_gemma_ints(packed, bits: int, width: int):
 
 def dequantized_weight(module: Any, dtype=None):
     """A Gemma QAT QuantizedLinear's weight as transformers dequantizes it for its forward."""
-    return module._dequantize_weights(dtype) if dtype is not None else module._dequantize_weights()
+    return module._dequantize_weights(dtype)
 
 
 def skeleton_from_config(model_class: type, config: Any, **kwargs: Any):

@@ -18,7 +18,3 @@ class ProofFailed(Exception):
     and the figure; `--allow-parity-failure` (recipe key `allow_parity_failure`) writes the
     artifacts anyway and marks their manifest."""
 
-
-class HycoWarning(UserWarning):
-    """Something about the user's input worth one line on the terminal (a corpus cut mid-record,
-    degenerate answers); the stage goes on. Library warnings go to the stage's log instead."""

@@ -17,7 +17,7 @@ proto copy), the trace's float activations (128 prefill rows x the vocabulary) a
 blocks. Measured (2 cores, load ~5): 291 MiB above the imports = 1.53x. Holding the linears
 unpacked to int8 as well (what convert did before issue 13; simulated by IntLinear keeping
 `int_values()` beside `packed`) measured 3.28x, so this test fails then. (Without
-export_onnx.shape_inference_without it measured 1.77x here, inside the bound: that copy scales with the output
+compat_torch.onnx_shape_inference_without it measured 1.77x here, inside the bound: that copy scales with the output
 layer's rows, +0.8 GB at 262,144 rows; bench/bench_fullsize.py shows it.)
 """
 

@@ -44,12 +44,13 @@ def oldest_venv() -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-        own = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  capture_output=True, text=True, check=True).stdout.strip())
+    own = Path(subprocess.run([str(python), "-S", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip())
+    if not (own / "transformers").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(own),
                         f"transformers=={OLDEST}"], check=True)
-        main = sysconfig.get_paths()["purelib"]
-        (own / "zz_hyco_main_venv.pth").write_text(f"import site; site.addsitedir({main!r})\n")
+    main = sysconfig.get_paths()["purelib"]  # this run's venv, also where an earlier run's was elsewhere
+    (own / "zz_hyco_main_venv.pth").write_text(f"import site; site.addsitedir({main!r})\n")
     return python
 
 

@@ -35,7 +35,7 @@ import torch
 from hyco.artifacts import write_json
 from hyco.chat import EMPTY_THOUGHT
 from hyco.console import progress
-from hyco.errors import HycoError, HycoWarning
+from hyco.errors import HycoError
 
 ANSWERS = "answers.jsonl"
 ANSWERS_REPORT = "answers.json"
@@ -46,7 +46,7 @@ MAX_TOP_SHARE = 0.5
 MIN_DISTINCT = 20
 
 
-class DegenerateAnswersWarning(HycoWarning):
+class DegenerateAnswersWarning(UserWarning):
     pass
 
 
