@@ -44,8 +44,11 @@ def oldest_venv() -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    own = Path(subprocess.run([str(python), "-S", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True).stdout.strip())
+    # the venv's own site-packages, by its layout: asked of its python with `-S`, sysconfig answers
+    # the base interpreter's (site.py is what moves the prefix into a venv), and pip would install
+    # into that
+    own = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+    own.mkdir(parents=True, exist_ok=True)
     if not (own / "transformers").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(own),
                         f"transformers=={OLDEST}"], check=True)
@@ -57,9 +60,11 @@ def oldest_venv() -> Path:
 @pytest.mark.slow
 def test_the_proofs_hold_on_the_oldest_allowed_transformers(tmp_path):
     python = oldest_venv()
-    version = subprocess.run([str(python), "-c", "import transformers, torch; print(transformers.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    assert version == OLDEST
+    found = subprocess.run([str(python), "-c", "import transformers, torch; print(transformers.__version__, transformers.__file__)"],
+                           capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr[-2000:]
+    version, where = found.stdout.split()
+    assert version == OLDEST and Path(where).is_relative_to(python.parents[1]), found.stdout  # its own, not the base's
     done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not slow",
                            "--basetemp", str(tmp_path / "pytest"), *PROOFS],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
