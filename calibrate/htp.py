@@ -57,20 +57,19 @@ def assignment(sess) -> dict:
             "not_on_qnn": other}
 
 
-def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] | None = None) -> dict:
+def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] | None = None,
+                   kv_bound: float | None = None, kv_steps: dict[str, float] | None = None) -> dict:
     """Each recorded pass on the HTP and on the CPU EP, compared by export.smoke's rule (`PassLog`):
-    top-k ids equal except swaps between tokens whose CPU log-probs are within `bound`, sorted
-    top-k log-probs within `bound`. `bound` (calibrate: the graph's own top-k log-prob error vs
-    its float graph on the eval prompts, `evaluate.topk_logprob_error`): the HTP, a second
-    integer implementation of the same QDQ graph, may not move a log-prob further from the CPU
-    than 16-bit quantization moved it from float."""
+    top-k ids equal except tie swaps, top-k log-probs within `bound`, the new K/V rows within
+    `kv_bound` steps of their grids (`kv_steps`). The bounds: calibrate's
+    `evaluate.perturbation_bound`, from the HTP's own per-op differences."""
     import time
 
     from hyco.pass_compare import PassLog
 
     passes = sorted({k.split("/", 1)[0] for k in data.files})
     names = [o.name for o in htp.get_outputs()]
-    log = PassLog(bound if bound is not None else float("inf"))
+    log = PassLog(bound if bound is not None else float("inf"), kv_steps={"graph": kv_steps or {}}, kv_bound=kv_bound)
     sim_s = 0.0
     for p in passes:
         feeds = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(p + "/")}
@@ -86,6 +85,7 @@ def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] |
             "top1_equal_rows": sum(r["top1_equal"] for r in rows),
             "id_mismatches": sum(r["id_mismatches"] for r in rows), "tie_swaps": sum(r["tie_swaps"] for r in rows),
             "max_abs_logprob_diff": max(r["max_logprob_diff"] for r in rows),
+            "max_kv_steps": max((r["max_kv_steps"] or 0.0) for r in rows), "kv_step_bound": kv_bound,
             "per_pass_max_abs_logprob_diff": [r["max_logprob_diff"] for r in rows],
             "bound": bound, "within_bound": None if bound is None else all(log.ok(r) for r in rows),
             "simulator_s_per_pass": sim_s / max(len(rows), 1)}
@@ -231,6 +231,7 @@ def compare_ops(graph: Path, model, htp_session_of, feeds: list[dict]) -> dict:
     beyond = sorted((n for n, r in worst.items() if r["max_codes"] > r["tolerance"]), key=lambda n: -worst[n]["max_codes"])
     return {"tensors": len(worst), "passes": len(feeds), "kept_bits": {**KEPT_BITS, "other": OTHER_KEPT_BITS},
             "beyond_tolerance": [{"tensor": n, **worst[n]} for n in beyond[:10]], "within_tolerance": not beyond,
+            "max_codes": {n: r["max_codes"] for n, r in worst.items()},
             "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]["max_codes"]))}
 
 
@@ -242,7 +243,8 @@ def _save_beside(model, path: Path) -> Path:
     return path
 
 
-def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None = None, per_op: bool = False) -> None:
+def _check(graph: Path, feeds_path: Path | None, out: Path, options: dict) -> None:
+    """`options`: `bound`, `kv_bound`, `kv_steps` (`compare_passes`) and `per_op` (`compare_ops` instead)."""
     import onnx
     from hyco.calibrate.quantize import boundary_qparams
 
@@ -258,7 +260,7 @@ def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None 
         out.write_text(json.dumps(result))
         return
     result.update(assignment(sess), accepted=True)
-    if per_op and feeds_path is not None:
+    if options.get("per_op") and feeds_path is not None:
         del sess  # one HTP session per process (results leak between them)
         data = np.load(feeds_path)
         passes = sorted({k.split("/", 1)[0] for k in data.files})
@@ -274,23 +276,25 @@ def _check(graph: Path, feeds_path: Path | None, out: Path, bound: float | None 
             for suffix in ("tapped", "forced"):
                 (graph.parent / f".{graph.name}.{suffix}.onnx").unlink(missing_ok=True)
     elif feeds_path is not None:
-        result["simulator_vs_cpu"] = compare_passes(sess, ort_session(graph), np.load(feeds_path), bound,
-                                                    boundary_qparams(model))
+        result["simulator_vs_cpu"] = compare_passes(sess, ort_session(graph), np.load(feeds_path), options.get("bound"),
+                                                    boundary_qparams(model), options.get("kv_bound"),
+                                                    options.get("kv_steps"))
     out.write_text(json.dumps(result))
 
 
 def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None = None, timeout: float = 900,
-                        bound: float | None = None, per_op: bool = False) -> dict:
-    """Run `_check` on `graph` in a fresh interpreter; `feeds` are saved to a temp .npz; `bound`:
-    see `compare_passes`; `per_op`: compare op by op instead (`compare_ops`)."""
+                        bound: float | None = None, per_op: bool = False, kv_bound: float | None = None,
+                        kv_steps: dict[str, float] | None = None) -> dict:
+    """Run `_check` on `graph` in a fresh interpreter; `feeds` are saved to a temp .npz; `bound`,
+    `kv_bound`, `kv_steps`: see `compare_passes`; `per_op`: compare op by op instead (`compare_ops`)."""
     with tempfile.TemporaryDirectory(prefix="hyco-htp-") as tmp:
         tmp = Path(tmp)
         args = [sys.executable, "-m", "hyco.calibrate.htp", str(graph), str(tmp / "result.json")]
         if feeds:
             np.savez(tmp / "feeds.npz", **{f"{i:04d}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()})
-            args.append(str(tmp / "feeds.npz"))
-            args.append(repr(float(bound)) if bound is not None else "none")
-            args.append("ops" if per_op else "graph")
+            (tmp / "options.json").write_text(json.dumps({"bound": bound, "kv_bound": kv_bound, "kv_steps": kv_steps,
+                                                          "per_op": per_op}))
+            args += [str(tmp / "feeds.npz"), str(tmp / "options.json")]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not (tmp / "result.json").is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -300,5 +304,4 @@ def check_in_subprocess(graph: Path, feeds: list[dict[str, np.ndarray]] | None =
 
 if __name__ == "__main__":
     _check(Path(sys.argv[1]), Path(sys.argv[3]) if len(sys.argv) > 3 else None, Path(sys.argv[2]),
-           float(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "none" else None,
-           len(sys.argv) > 5 and sys.argv[5] == "ops")
+           json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else {})

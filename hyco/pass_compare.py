@@ -37,15 +37,20 @@ class PassLog:
     """Per graph role: every pass's HTP-vs-CPU comparison on identical feeds. `tolerance`: one
     bound for every graph, or a bound per graph role."""
 
-    def __init__(self, tolerance: float | dict[str, float], kv_steps: dict[str, dict[str, float]] | None = None):
-        """`kv_steps`: per graph role, each new K/V output's grid step (its values compared in float),
-        for `max_kv_steps`: how far the rows a pass writes into the ring are apart, in steps of their
-        8-bit grid (reported, not held: issue 37's tight bound is still to come)."""
-        self.tolerance, self.kv_steps = tolerance, kv_steps
+    def __init__(self, tolerance: float | dict[str, float], kv_steps: dict[str, dict[str, float]] | None = None,
+                 kv_bound: float | dict[str, float | None] | None = None):
+        """`kv_steps`: per graph role, each new K/V output's grid step (`kv_grid_steps`; values come
+        back as codes or in float), for `max_kv_steps`: how far the rows a pass writes into the ring
+        are apart, in steps of their 8-bit grid, held to `kv_bound` (one for every graph or one per
+        role; None: reported, not held)."""
+        self.tolerance, self.kv_steps, self.kv_bound = tolerance, kv_steps, kv_bound
         self.rows: list[dict[str, Any]] = []
 
     def bound(self, role: str) -> float:
         return self.tolerance[role] if isinstance(self.tolerance, dict) else self.tolerance
+
+    def kv_step_bound(self, role: str) -> float | None:
+        return self.kv_bound.get(role) if isinstance(self.kv_bound, dict) else self.kv_bound
 
     def record(self, role: str, names, htp, cpu, active: int | None = None) -> None:
         """`active`: only the first rows are compared (the SLM graphs' padding rows, which see only
@@ -70,14 +75,22 @@ class PassLog:
                 else:
                     mismatches += 1
         kv_names = [n for n in names if role_of(n) is Role.NEW_KV]
-        kv = [float(np.abs(a[n].astype(np.float64) - b[n]).max()) for n in kv_names]
+        kv = [float(np.abs(np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64)).max()) for n in kv_names]
         steps = (self.kv_steps or {}).get(role)
-        kv_steps = max(d / steps[n] for d, n in zip(kv, kv_names, strict=True)) if steps and kv else None
+        kv_steps = max(d if np.asarray(a[n]).dtype.kind in "iu" else d / steps[n]  # codes are steps already
+                       for d, n in zip(kv, kv_names, strict=True)) if steps and kv else None
         self.rows.append({"role": role, "rows": int(ids_c.shape[0]), "id_mismatches": mismatches, "tie_swaps": ties, "widest_tie_nats": widest_tie, "tie_margin": margin,
                           "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()), "bound": bound,
                           "ids_equal_rows": int((ids_h == ids_c).all(-1).sum()),
                           "max_logprob_diff": measured,
-                          "max_kv_diff": max(kv) if kv else None, "max_kv_steps": kv_steps})
+                          "max_kv_diff": max(kv) if kv else None, "max_kv_steps": kv_steps,
+                          "kv_step_bound": self.kv_step_bound(role)})
 
     def ok(self, row: dict[str, Any]) -> bool:
-        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= row["bound"]
+        kv_ok = row["kv_step_bound"] is None or row["max_kv_steps"] is None or row["max_kv_steps"] <= row["kv_step_bound"]
+        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= row["bound"] and kv_ok
+
+
+def kv_grid_steps(spec) -> dict[str, float]:
+    """Each new K/V output of a graph's io_spec and the step of its grid."""
+    return {t.name: float(t.quant["scale"]) for t in spec.outputs if t.role is Role.NEW_KV and t.quant}
