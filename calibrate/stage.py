@@ -286,9 +286,28 @@ MTP_POLICY = (
 )
 
 
+# The HTP's rules met op by op, applied to the quantized graph of every graph (`quantize.quantize_graph`
+# after onnxruntime's quantizer; `htp_range_overrides` before it): (tensors, grid, why).
+HTP_GRID_RULES = (
+    ("Concat outputs whose inputs share one uint16 grid (a K/V ring's 16-bit twin and the new rows)",
+     "that grid exactly: the Concat moves codes, nothing is requantized",
+     "the HTP's requantizing Concat was 473-1,038 codes off on a few elements of a full layer's V Concat (an SLM "
+     "trained at another shape), where a small graph of the same encodings agreed to one code"),
+    ("other Concat outputs of uint16 inputs (rotary's rotate-half)", "a grid holding every input's grid",
+     "a calibrated grid clipped input values on the CPU that the HTP, requantizing each input, kept"),
+    ("Neg outputs", "the input's grid mirrored (zero point 65535 - z): the Neg is exact",
+     "the HTP folds the Neg into rotary's Concat; a calibrated grid clipped negated values on the CPU"),
+    ("Reciprocal inputs; Log outputs (calibrated ranges)", "widened: a Reciprocal's input range to reach 1.0, a "
+     "Log's output range to span 4.0", "the HTP's kernels compute those two wrong on narrower grids"),
+    ("Tanh and Sigmoid outputs", "onnxruntime's QNN config: Tanh [-1, 1) at 1/32768, Sigmoid [0, 1) at 1/65536",
+     "QNN's 16-bit Tanh and Sigmoid require those encodings"),
+)
+
+
 def policy_rows() -> list[dict[str, str]]:
-    return [{"graphs": graphs, "tensors": r.tensors, "grid": r.grid, "why": r.why}
-            for graphs, policy in (("tree, prefill", SLM_POLICY), ("mtp_step", MTP_POLICY)) for r in policy]
+    return ([{"graphs": graphs, "tensors": r.tensors, "grid": r.grid, "why": r.why}
+             for graphs, policy in (("tree, prefill", SLM_POLICY), ("mtp_step", MTP_POLICY)) for r in policy]
+            + [{"graphs": "every graph", "tensors": t, "grid": g, "why": w} for t, g, w in HTP_GRID_RULES])
 
 
 def apply_policy(policy: tuple[GridRule, ...], known: PolicyInputs) -> tuple[dict, dict]:
@@ -876,8 +895,8 @@ def summary_md(report: dict[str, Any]) -> str:
                      "worst_layer": f"{worst.get('layer')} {worst.get('sqnr_db', float('nan')):.1f} dB",
                      "weights_bitexact": v["weights_bitexact"]["all_equal"]})
     md += markdown_table(rows, list(rows[0]))
-    md += ("\nQuantization policy, rules in order per graph (every other activation: a calibrated 16-bit range; "
-           "then the HTP-range widening):\n\n" + markdown_table(report["policy"], ["graphs", "tensors", "grid", "why"]))
+    md += ("\nQuantization policy, rules in order per graph (every other activation: a calibrated 16-bit range), "
+           "then the HTP's grid rules on every graph:\n\n" + markdown_table(report["policy"], ["graphs", "tensors", "grid", "why"]))
     md += ("\nWhy onnxruntime's `get_qnn_qdq_config` + `quantize` rather than aimet-onnx's `from_onnx_qdq`: both keep "
            "the prepared INT4/INT8 weights bit-exact, but onnxruntime's is already a dependency, takes explicit "
            "scale/zero-point overrides (KV at 1.2 x p99.9, the MTP inputs' p99.99 ranges, the mask's exact grid), "

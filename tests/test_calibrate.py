@@ -431,6 +431,44 @@ def test_ring_16_bit_twin_holds_every_uint8_code_exactly(tiny_calibrated):
         assert np.array_equal((c16 - int(z16)) * np.float32(s16), values), ring
 
 
+def test_every_concat_moves_codes_or_holds_its_inputs(tiny_calibrated):
+    """calibrate's Concat rule (`quantize.concat_holds_its_inputs`) in every deployed graph: a
+    Concat whose inputs share one uint16 grid outputs on that grid exactly (the HTP's requantizing
+    Concat was 473-1,038 codes off on an SLM of another shape); one whose inputs differ outputs on
+    a grid holding them all. Every graph has Concats of both kinds (K/V ring + new rows; rotary)."""
+    from hyco.calibrate.quantize import _uint16_grid_of
+
+    from hyco.grids import grid_range
+    from hyco.onnx_graph import consumers as graph_consumers
+
+    out = tiny_calibrated / "calibrate"
+    for name in ("tree.qdq.onnx", "prefill.qdq.onnx"):
+        model = onnx.load(str(out / name), load_external_data=False)
+        inits = {t.name: t for t in model.graph.initializer}
+        producer = {o: n for n in model.graph.node for o in n.output}
+        readers = graph_consumers(model.graph)
+        kinds = {"shared": 0, "held": 0}
+        for node in model.graph.node:
+            if node.op_type != "Concat":
+                continue
+            qs = readers.get(node.output[0], [])
+            dqs = [producer.get(x) for x in node.input]
+            if len(qs) != 1 or qs[0].op_type != "QuantizeLinear" or not all(d is not None and d.op_type == "DequantizeLinear" for d in dqs):
+                continue
+            grids = [_uint16_grid_of(d, inits) for d in dqs]
+            grid = _uint16_grid_of(qs[0], inits)
+            if grid is None or not all(grids):
+                continue
+            if all(g == grids[0] for g in grids):
+                assert grid == grids[0], (name, node.name, grid, grids)
+                kinds["shared"] += 1
+            else:
+                lo, hi = grid_range(grid)
+                assert all(lo <= grid_range(g)[0] and grid_range(g)[1] <= hi for g in grids), (name, node.name)
+                kinds["held"] += 1
+        assert kinds["shared"] > 0 and kinds["held"] > 0, (name, kinds)
+
+
 @pytest.mark.slow
 def test_htp_accepts_every_node_of_the_tiny_graphs(tiny_calibrated):
     """Every node of each deployable QDQ graph is assigned to QNN HTP (soc 87, CPU fallback
