@@ -52,14 +52,35 @@ class PassLog:
     def kv_step_bound(self, role: str) -> float | None:
         return self.kv_bound.get(role) if isinstance(self.kv_bound, dict) else self.kv_bound
 
-    def record(self, role: str, names, htp, cpu, active: int | None = None) -> None:
+    def record(self, role: str, names, htp, cpu, active: int | None = None, noisy: list | None = None) -> None:
         """`active`: only the first rows are compared (the SLM graphs' padding rows, which see only
-        themselves and are never read, carry no draft; their near-ties would count as tie swaps)."""
-        bound = self.bound(role)
+        themselves and are never read, carry no draft; their near-ties would count as tie swaps).
+        `noisy`: the same pass's outputs from the CPU graph perturbed by the HTP's measured per-op
+        codes (one list per draw): how far a correct HTP could move this very pass. The pass is
+        then held to the larger of the graph's bound and `NOISE_FACTOR` x that (`pass_bound`,
+        `kv_pass_bound`): a prompt more sensitive than calibrate's passes gets room, and only it."""
         a, b = dict(zip(names, htp, strict=True)), dict(zip(names, cpu, strict=True))
         lp_name, id_name = next(p for p in TOPK_OUTPUTS if p[0] in a and p[1] in a)
         ids_h, ids_c = np.asarray(a[id_name])[:active], np.asarray(b[id_name])[:active]
         lp_h, lp_c = np.asarray(a[lp_name], np.float64)[:active], np.asarray(b[lp_name], np.float64)[:active]
+        kv_names = [n for n in names if role_of(n) is Role.NEW_KV]
+        steps = (self.kv_steps or {}).get(role)
+
+        def kv_apart(x: dict) -> float | None:  # the new K/V rows' distance from the CPU's, in grid steps
+            if not (steps and kv_names):
+                return None
+            return max(float(np.abs(np.asarray(x[n], np.float64) - np.asarray(b[n], np.float64)).max())
+                       / (1.0 if np.asarray(x[n]).dtype.kind in "iu" else steps[n]) for n in kv_names)
+        noise = noise_kv = None
+        for out in noisy or []:
+            n = dict(zip(names, out, strict=True))
+            d = measured_difference(np.asarray(n[id_name])[:active], np.asarray(n[lp_name], np.float64)[:active], ids_c, lp_c)
+            noise, k = max(noise or 0.0, d), kv_apart(n)
+            noise_kv = None if k is None else max(noise_kv or 0.0, k)
+        bound = self.bound(role) if noise is None else max(self.bound(role), NOISE_FACTOR * noise)
+        kv_bound = self.kv_step_bound(role)
+        if kv_bound is not None and noise_kv is not None:
+            kv_bound = max(kv_bound, NOISE_FACTOR * noise_kv)
         measured = measured_difference(ids_h, lp_h, ids_c, lp_c)
         margin = min(bound, 2 * measured)
         mismatches = ties = 0
@@ -74,21 +95,25 @@ class PassLog:
                     widest_tie = max(widest_tie, gap)
                 else:
                     mismatches += 1
-        kv_names = [n for n in names if role_of(n) is Role.NEW_KV]
         kv = [float(np.abs(np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64)).max()) for n in kv_names]
-        steps = (self.kv_steps or {}).get(role)
-        kv_steps = max(d if np.asarray(a[n]).dtype.kind in "iu" else d / steps[n]  # codes are steps already
-                       for d, n in zip(kv, kv_names, strict=True)) if steps and kv else None
-        self.rows.append({"role": role, "rows": int(ids_c.shape[0]), "id_mismatches": mismatches, "tie_swaps": ties, "widest_tie_nats": widest_tie, "tie_margin": margin,
-                          "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()), "bound": bound,
-                          "ids_equal_rows": int((ids_h == ids_c).all(-1).sum()),
-                          "max_logprob_diff": measured,
-                          "max_kv_diff": max(kv) if kv else None, "max_kv_steps": kv_steps,
-                          "kv_step_bound": self.kv_step_bound(role)})
+        self.rows.append({"role": role, "rows": int(ids_c.shape[0]), "id_mismatches": mismatches, "tie_swaps": ties,
+                          "widest_tie_nats": widest_tie, "tie_margin": margin,
+                          "top1_equal": int((ids_h[:, 0] == ids_c[:, 0]).sum()), "bound": self.bound(role),
+                          "ids_equal_rows": int((ids_h == ids_c).all(-1).sum()), "max_logprob_diff": measured,
+                          "noise_logprob": noise, "pass_bound": bound,
+                          "max_kv_diff": max(kv) if kv else None, "max_kv_steps": kv_apart(a),
+                          "kv_step_bound": self.kv_step_bound(role), "noise_kv_steps": noise_kv, "kv_pass_bound": kv_bound})
 
-    def ok(self, row: dict[str, Any]) -> bool:
-        kv_ok = row["kv_step_bound"] is None or row["max_kv_steps"] is None or row["max_kv_steps"] <= row["kv_step_bound"]
-        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= row["bound"] and kv_ok
+    @staticmethod
+    def ok(row: dict[str, Any]) -> bool:
+        kv_ok = row["kv_pass_bound"] is None or row["max_kv_steps"] is None or row["max_kv_steps"] <= row["kv_pass_bound"]
+        return row["id_mismatches"] == 0 and row["max_logprob_diff"] <= row["pass_bound"] and kv_ok
+
+
+# A pass perturbed at the HTP's measured per-op codes moved its top-k log-probs 2-3x as far as the
+# HTP did on the main job's SLM graphs, but on the small MTP step passes (0.01-0.05 nats) the HTP
+# came up to 1.08x the perturbation: a pass's own bound is twice its perturbation.
+NOISE_FACTOR = 2.0
 
 
 def kv_grid_steps(spec) -> dict[str, float]:

@@ -1,0 +1,119 @@
+"""Issue 37's sweep over checkpoint statistics: SLMs unlike any fixture (tests/variants.py) through
+vocab, answers, convert, qat, calibrate (with the HTP checks) and export (with smoke), CI-sized.
+
+A trained SLM at another shape (6 layers of width 96, 3 heads of 32, a full layer every third)
+comes first; around it: weights at 0.3x and 3x with spread norms, an output layer 4x as confident
+and one 4x less, the softcap off. Each run keeps its artifacts whatever its proofs say
+(--allow-parity-failure), so the test sees what a user would have shipped, and holds:
+- a trained variant reaches a faithful bundle: calibrate's proofs pass (the fidelity floor, every
+  op within tolerance on the simulator), and smoke passes;
+- every other variant either does the same, or calibrate refuses it (the floor's or the
+  op-by-op proof's message): no variant leaves calibrate unfaithful by the floor unremarked;
+- no bundle with a graph the HTP computes wrong (an op beyond tolerance) passes smoke.
+Each variant's row (op-by-op worst codes, KL, worst layer, top-1, bounds, smoke) is printed and
+written beside the runs (sweep.json); the table of the last full run is in the closing note of
+issue 37.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from variants import train_slm, vary
+
+pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (QNN HTP backend absent)")
+
+SHAPE = {"hidden": 96, "intermediate": 192, "num_layers": 6, "full_period": 3, "num_kv_shared_layers": 2,
+         "heads": 3, "head_dim": 32, "global_head_dim": 64, "per_layer_input": 24}
+TRAIN_STEPS = 150  # ~2 min here; loss 8.7 -> ~5.6
+VARIANTS = {
+    "trained": {},
+    "weights-0.3x": {"weight_gain": 0.3},
+    "weights-3x-spread": {"weight_gain": 3.0, "norm_spread": 0.3},
+    "confident-4x": {"logit_scale": 4.0},
+    "unconfident-0.25x": {"logit_scale": 0.25},
+    "no-softcap": {"softcap": None},
+}
+SIZES = ["vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
+         "vocab.reserved_eval=4", "convert.parity=false", "qat.steps=2", "qat.calibration_sequences=1",
+         "answers.max_new_tokens_train=24", "answers.max_new_tokens_eval=24", "calibrate.prompts=4",
+         "calibrate.eval_prompts=2", "calibrate.max_new_tokens=24", "calibrate.sqnr_passes=2",
+         "calibrate.fidelity_seeds=1", "calibrate.htp_check=true", "calibrate.simulator_passes=1",
+         "export.smoke_prompts=1", "export.smoke_rounds=2", "stages=[vocab,answers,convert,qat,calibrate,export]"]
+
+
+@pytest.fixture(scope="module")
+def trained_slm(tiny_family_distilled, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "trained-slm"
+    figures = train_slm(tiny_family_distilled, out, shape=SHAPE, steps=TRAIN_STEPS, seed=0)
+    return out, figures
+
+
+SHARED = ("vocab", "answers", "qat")  # stages no SLM reads: run once, copied into every variant's run
+
+
+@pytest.fixture(scope="module")
+def shared_run(tiny_family_distilled, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep-shared")
+    assert run(tiny_family_distilled, tiny_family_distilled["slm"], out, [f"stages=[{','.join(SHARED)}]"]) == 0
+    return out
+
+
+def run(family: dict[str, Path], slm: Path, out: Path, extra: list[str] = ()) -> int:
+    from ladder import RECIPE, set_args
+
+    from hyco.cli import main
+
+    models = [f"models.{k}={v}" for k, v in family.items() if k != "slm"] + [f"models.slm={slm}"]
+    return main(["run", str(RECIPE), "--out", str(out), "--allow-parity-failure", *set_args([*SIZES, *models, *extra])])
+
+
+def run_variant(family: dict[str, Path], slm: Path, out: Path, shared: Path) -> dict:
+    for stage in SHARED:  # copied with their times, so their manifests still match
+        shutil.copytree(shared / stage, out / stage)
+    code = run(family, slm, out)
+    calibrate = json.loads((out / "calibrate" / "report.json").read_text())
+    smoke_path = out / "export" / "smoke" / "report.json"
+    smoke = json.loads(smoke_path.read_text()) if smoke_path.is_file() else None
+    graphs = {}
+    for name, g in calibrate["graphs"].items():
+        ops = g["htp"].get("ops") or {}
+        worst = next(iter(ops.get("by_op", {}).items()), (None, {}))
+        sim = g["htp"].get("simulator_vs_cpu") or {}
+        graphs[name] = {"top1": round(g["top1_agreement"], 4), "kl": round(g["kl"], 5),
+                        "worst_layer_db": round(g["worst_layers"][0]["sqnr_db"], 1) if g["worst_layers"] else None,
+                        "floor_passed": g["fidelity_floor"]["passed"], "ops_within": ops.get("within_tolerance"),
+                        "worst_op": worst[0], "worst_codes": worst[1].get("max_codes"),
+                        "beyond": [b["tensor"] for b in ops.get("beyond_tolerance", [])][:2],
+                        "htp_vs_cpu": sim.get("max_abs_logprob_diff"), "bound": g["htp_logprob_bound"]}
+    statuses = {r["stage"]: r["status"] for r in json.loads((out / "run_report.json").read_text())["stages"]}
+    return {"exit": code, "statuses": statuses, "calibrate_proof_failed": calibrate["proof_failed"], "graphs": graphs,
+            "smoke_passed": smoke and smoke["passed"],
+            "smoke": smoke and {r: {k: v[k] for k in ("top1_share", "max_logprob_diff", "bound", "max_kv_steps",
+                                                      "kv_step_bound")} for r, v in smoke["by_graph"].items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_is_faithful_or_refused_and_no_broken_graph_passes_smoke(variant, trained_slm, shared_run,
+                                                                              tiny_family_distilled, tmp_path):
+    base, figures = trained_slm
+    slm = base if not VARIANTS[variant] else vary(base, tmp_path / "slm", seed=1, **VARIANTS[variant])
+    row = {"variant": variant, "training": figures,
+           **run_variant(tiny_family_distilled, slm, tmp_path / "run", shared_run)}
+    assert all(row.pop("statuses")[stage].startswith("skipped") for stage in SHARED)
+    print(json.dumps(row))
+    with (base.parent / "sweep.json").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    failed = row["calibrate_proof_failed"]
+    unfaithful = [n for n, g in row["graphs"].items() if not g["floor_passed"]]
+    broken = [n for n, g in row["graphs"].items() if g["ops_within"] is False]
+    assert not unfaithful or "below the fidelity floor" in failed, row  # refused with the floor's message
+    assert not broken or "op by op" in failed, row
+    if broken:  # what a user shipping it anyway would meet: smoke must not pass it
+        assert row["smoke_passed"] is False, row
+    if variant == "trained":
+        assert failed is None and row["exit"] == 0 and row["smoke_passed"], row
