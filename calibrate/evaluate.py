@@ -152,53 +152,10 @@ def topk_logprob_error(ref_logprobs: np.ndarray, q_logprobs: np.ndarray, k: int)
     return float(np.abs(np.take_along_axis(ref_logprobs, top, -1) - np.take_along_axis(q_logprobs, top, -1)).max())
 
 
-def perturbed_model(model, seed: int, amplitude: dict[str, int] | None = None):
-    """`model` with every activation's codes moved by an independent random integer in [-T, T]
-    after each QuantizeLinear, element by element, seeded per tensor: another integer
-    implementation of the graph. T: `amplitude` of the tensor (its codes' name: the HTP's measured
-    worst there), else `htp.op_tolerance` of its grid.
-    (A shift shared by a whole tensor is within it too, but no kernel rounds every output of a
-    Softmax up by 256 codes: such shifts made a bound too loose to say anything.)"""
-    import onnx
-    from hyco.calibrate.htp import activation_taps, op_tolerance
-    from onnx import helper, numpy_helper
-
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-    inits = {t.name: t for t in g.initializer}
-    readers: dict[str, list] = {}
-    for node in g.node:
-        for x in node.input:
-            readers.setdefault(x, []).append(node)
-    extra, outputs = [], {o.name for o in g.output}
-    for k, tap in enumerate(activation_taps(model)):
-        codes, scale = tap.codes, tap.scale
-        t = op_tolerance(tap) if amplitude is None else max(1, amplitude.get(codes, op_tolerance(tap)))
-        for dq in [n for n in readers.get(codes, []) if n.op_type == "DequantizeLinear"]:
-            y = dq.output[0]
-            noisy, base = y + "__perturbed", f"{y}__noise"
-            if y in outputs:  # a graph output: it keeps its name, on the perturbed values
-                dq.output[0], noisy, y = y + "__exact", y, y + "__exact"
-            s = float(numpy_helper.to_array(inits[scale]))
-            extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-t - 0.499, high=t + 0.499,
-                                       seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),
-                      helper.make_node("Round", [base + "_u"], [base + "_r"]),
-                      helper.make_node("Mul", [base + "_r", base + "_s"], [base]),
-                      helper.make_node("Add", [y, base], [noisy])]
-            g.initializer.append(numpy_helper.from_array(np.array(s, np.float32), base + "_s"))
-            for r in readers.get(y, []):
-                for j, x in enumerate(r.input):
-                    if x == y:
-                        r.input[j] = noisy
-    g.node.extend(extra)  # after every node they read; onnxruntime sorts the graph
-    return m
-
-
 def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, seed: int = 0,
                        amplitude: dict[str, int] | None = None, kv_outputs: dict[str, float] | None = None) -> dict:
-    """How far independent per-element code noise at every op (`perturbed_model`: `amplitude` codes
-    per tensor, the HTP's measured worst there; else the per-op tolerance) moves the graph's sorted
+    """How far independent per-element code noise at every op (`hyco.perturb.perturbed_model`:
+    `amplitude` codes per tensor, the HTP's measured worst there; else `htp.op_tolerance`) moves the graph's sorted
     top-k log-probs and its new K/V rows, on onnxruntime CPU: `BOUND_FACTOR` x the largest
     |perturbed - exact| over `feeds` and `draws` seeded perturbations.
     This is what the HTP is held to end to end, in calibrate's check and export's smoke: derived
@@ -206,8 +163,10 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     on every run (seeded). `kv_outputs`: new K/V output name -> its grid step, for `kv_step_bound`
     (how far apart, in steps of its grid, the rows the pass writes into the ring may land)."""
     import onnx
+    from hyco.calibrate.htp import activation_taps, op_tolerance
 
     from hyco.ort import session_for
+    from hyco.perturb import perturbed_model
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # (session_for rewrites the model it is given)
@@ -220,9 +179,12 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
         d = np.abs(a.astype(np.float64) - b.astype(np.float64)).max()
         return float(d if a.dtype.kind in "iu" else d / kv_outputs[name])
     clean = [exact.run(names, {k: v for k, v in f.items() if k in inputs}) for f in feeds]
+    codes = {tap.codes: op_tolerance(tap) for tap in activation_taps(model)}
+    if amplitude is not None:  # a tensor measured at 0 codes still gets one: the noise is a bound's, not a replay
+        codes = {name: max(1, amplitude.get(name, t)) for name, t in codes.items()}
     worst = worst_kv = 0.0
     for d in range(draws):
-        noisy = session_for(perturbed_model(model, seed + d, amplitude), Path(graph).parent, arena=False)
+        noisy = session_for(perturbed_model(model, seed + d, codes), Path(graph).parent, arena=False)
         for f, c in zip(feeds, clean, strict=True):
             got = noisy.run(names, {k: v for k, v in f.items() if k in inputs})
             worst = max(worst, float(np.abs(got[0].astype(np.float64) - c[0]).max()))

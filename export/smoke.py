@@ -75,7 +75,7 @@ class ComparingSessions:
 class NoisySessions:
     """Per graph, the bundle's CPU reference graph with every activation moved by seeded random
     codes up to the HTP's measured worst at that tensor (io_spec `htp_op_codes`, from calibrate's
-    op-by-op run; `evaluate.perturbed_model`), `draws` of them: run on each pass's own feeds, they
+    op-by-op run; `hyco.perturb.perturbed_model`), `draws` of them: run on each pass's own feeds, they
     say how far a correct HTP could move that pass. None for a graph calibrated without the
     simulator."""
 
@@ -86,14 +86,15 @@ class NoisySessions:
     def open(self, key: str) -> list:
         if key not in self.opened:
             import onnx
-            from hyco.calibrate.evaluate import perturbed_model
 
             from hyco.ort import session_for
+            from hyco.perturb import perturbed_model
             from hyco.runtime.qnn_backend import CodesSession
 
             codes = self.specs[key].meta.get("htp_op_codes")
             path = self.bundle / "reference" / key
             model = onnx.load(str(path), load_external_data=False) if codes else None
+            codes = {name: max(1, c) for name, c in (codes or {}).items()}  # as calibrate's bound perturbs
             self.opened[key] = [CodesSession(session_for(perturbed_model(model, d, codes), path.parent, arena=False),
                                              self.specs[key]) for d in range(self.draws)] if codes else []
         return self.opened[key]

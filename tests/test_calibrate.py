@@ -279,7 +279,7 @@ def test_mtp_policy_keeps_qats_grids_and_puts_the_mask_on_calibrates(tiny_calibr
         want = mask_qparams(negative) if role_of(name) is Role.MASK else grids[name]
         assert (float(grid["scale"]), int(grid["zero_point"])) == (np.float32(want[0]), want[1]), name
     report = json.loads((tiny_calibrated / "calibrate" / "report.json").read_text())
-    assert [r["graphs"] for r in report["policy"]] == ["tree, prefill"] * 3 + ["mtp_step"] * 2
+    assert [r["graphs"] for r in report["policy"]] == ["tree, prefill"] * 3 + ["mtp_step"] * 2 + ["every graph"] * 5
     assert "| mtp_step | every input" in (tiny_calibrated / "calibrate" / "summary.md").read_text()
 
 
@@ -464,7 +464,8 @@ def test_every_concat_moves_codes_or_holds_its_inputs(tiny_calibrated):
                 kinds["shared"] += 1
             else:
                 lo, hi = grid_range(grid)
-                assert all(lo <= grid_range(g)[0] and grid_range(g)[1] <= hi for g in grids), (name, node.name)
+                half = grid["scale"] / 2  # float32 scales: an edge may fall short of an input's by rounding
+                assert all(lo - half <= grid_range(g)[0] and grid_range(g)[1] <= hi + half for g in grids), (name, node.name)
                 kinds["held"] += 1
         assert kinds["shared"] > 0 and kinds["held"] > 0, (name, kinds)
 

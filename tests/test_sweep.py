@@ -104,7 +104,8 @@ def test_every_variant_is_faithful_or_refused_and_no_broken_graph_passes_smoke(v
     slm = base if not VARIANTS[variant] else vary(base, tmp_path / "slm", seed=1, **VARIANTS[variant])
     row = {"variant": variant, "training": figures,
            **run_variant(tiny_family_distilled, slm, tmp_path / "run", shared_run)}
-    assert all(row.pop("statuses")[stage].startswith("skipped") for stage in SHARED)
+    statuses = row.pop("statuses")
+    assert all(statuses[stage].startswith("skipped") for stage in SHARED), statuses
     print(json.dumps(row))
     with (base.parent / "sweep.json").open("a") as f:
         f.write(json.dumps(row) + "\n")

@@ -1,0 +1,48 @@
+"""Another integer implementation of a QDQ graph: every named activation's codes moved by seeded
+random integers. calibrate derives the HTP bounds from it (`evaluate.perturbation_bound`), and
+export's smoke perturbs each of its passes by the HTP's measured codes (`smoke.NoisySessions`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def perturbed_model(model, seed: int, amplitude: dict[str, int]):
+    """`model` with the codes of every QuantizeLinear output named in `amplitude` moved by an
+    independent random integer in [-T, T] (T: its `amplitude`) before each DequantizeLinear that
+    reads them, element by element, seeded per tensor (in graph order).
+    (A shift shared by a whole tensor would be another implementation too, but no kernel rounds
+    every output of a Softmax up by 256 codes: such shifts made a bound too loose to say anything.)"""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    readers: dict[str, list] = {}
+    for node in g.node:
+        for x in node.input:
+            readers.setdefault(x, []).append(node)
+    extra, outputs = [], {o.name for o in g.output}
+    quantized = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.output[0] in amplitude]
+    for k, q in enumerate(quantized):
+        codes, scale, t = q.output[0], q.input[1], amplitude[q.output[0]]
+        for dq in [n for n in readers.get(codes, []) if n.op_type == "DequantizeLinear"]:
+            y = dq.output[0]
+            noisy, base = y + "__perturbed", f"{y}__noise"
+            if y in outputs:  # a graph output: it keeps its name, on the perturbed values
+                dq.output[0], noisy, y = y + "__exact", y, y + "__exact"
+            s = float(numpy_helper.to_array(inits[scale]))
+            extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-t - 0.499, high=t + 0.499,
+                                       seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),
+                      helper.make_node("Round", [base + "_u"], [base + "_r"]),
+                      helper.make_node("Mul", [base + "_r", base + "_s"], [base]),
+                      helper.make_node("Add", [y, base], [noisy])]
+            g.initializer.append(numpy_helper.from_array(np.array(s, np.float32), base + "_s"))
+            for r in readers.get(y, []):
+                for j, x in enumerate(r.input):
+                    if x == y:
+                        r.input[j] = noisy
+    g.node.extend(extra)  # after every node they read; onnxruntime sorts the graph
+    return m
