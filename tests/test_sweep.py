@@ -3,7 +3,7 @@ vocab, answers, convert, qat, calibrate (with the HTP checks) and export (with s
 
 A trained SLM at another shape (6 layers of width 96, 3 heads of 32, a full layer every third)
 comes first; around it: weights at 0.3x and 3x with spread norms, an output layer 4x as confident
-and one 4x less, the softcap off. Each run keeps its artifacts whatever its proofs say
+(VARIANTS says which others were measured once). Each run keeps its artifacts whatever its proofs say
 (--allow-parity-failure), so the test sees what a user would have shipped, and holds:
 - a trained variant reaches a faithful bundle: calibrate's proofs pass (the fidelity floor, every
   op within tolerance on the simulator), and smoke passes;
@@ -29,13 +29,14 @@ pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed 
 SHAPE = {"hidden": 96, "intermediate": 192, "num_layers": 6, "full_period": 3, "num_kv_shared_layers": 2,
          "heads": 3, "head_dim": 32, "global_head_dim": 64, "per_layer_input": 24}
 TRAIN_STEPS = 150  # ~2 min here; loss 8.7 -> ~5.6
+# Four in CI (about 1.5 min each here). Measured once besides, both faithful with smoke passing:
+# the output layer 4x less confident (KL 2e-5, HTP 0.03 / 0.02 nats vs bounds 0.06 / 0.06) and the
+# softcap off (33.7 / 32.7 dB, HTP 0.06 / 0.10 vs 0.20 / 0.29): {"logit_scale": 0.25}, {"softcap": None}.
 VARIANTS = {
     "trained": {},
     "weights-0.3x": {"weight_gain": 0.3},
     "weights-3x-spread": {"weight_gain": 3.0, "norm_spread": 0.3},
     "confident-4x": {"logit_scale": 4.0},
-    "unconfident-0.25x": {"logit_scale": 0.25},
-    "no-softcap": {"softcap": None},
 }
 SIZES = ["vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
          "vocab.reserved_eval=4", "convert.parity=false", "qat.steps=2", "qat.calibration_sequences=1",
