@@ -166,6 +166,7 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     from hyco.calibrate.htp import activation_taps, op_tolerance
 
     from hyco.ort import session_for
+    from hyco.pass_compare import steps_apart
     from hyco.perturb import perturbed_model
 
     copy = onnx.ModelProto()
@@ -174,10 +175,6 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     kv = sorted(kv_outputs or {})
     names = [o.name for o in model.graph.output if o.name.startswith("topk_logprobs")] + kv
     inputs = {i.name for i in exact.get_inputs()}
-
-    def steps(name, a, b):  # codes come back as codes; float outputs in steps of their grid
-        d = np.abs(a.astype(np.float64) - b.astype(np.float64)).max()
-        return float(d if a.dtype.kind in "iu" else d / kv_outputs[name])
     clean = [exact.run(names, {k: v for k, v in f.items() if k in inputs}) for f in feeds]
     codes = {tap.codes: op_tolerance(tap) for tap in activation_taps(model)}
     if amplitude is not None:  # a tensor measured at 0 codes still gets one: the noise is a bound's, not a replay
@@ -188,9 +185,9 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
         for f, c in zip(feeds, clean, strict=True):
             got = noisy.run(names, {k: v for k, v in f.items() if k in inputs})
             worst = max(worst, float(np.abs(got[0].astype(np.float64) - c[0]).max()))
-            worst_kv = max([worst_kv] + [steps(n, a, b) for n, a, b in zip(kv, got[1:], c[1:], strict=True)])
+            worst_kv = max([worst_kv] + [steps_apart(a, b, kv_outputs[n]) for n, a, b in zip(kv, got[1:], c[1:], strict=True)])
     return {"bound": BOUND_FACTOR * worst, "perturbed_max": worst, "factor": BOUND_FACTOR, "passes": len(feeds),
-            "draws": draws, "seed": seed, "amplitude": amplitude or "op_tolerance",
+            "draws": draws, "seed": seed, "amplitude": "op_tolerance" if amplitude is None else codes,
             "kv_step_bound": max(KV_STEP_FLOOR, BOUND_FACTOR * worst_kv) if kv else None, "kv_perturbed_steps": worst_kv}
 
 

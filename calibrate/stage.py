@@ -635,8 +635,9 @@ def quantize_and_measure(convert: Path, qat: Path, inputs: dict, config: Calibra
     for g, b in bounds.items():  # the HTP-vs-CPU bounds, for this stage's check and export's smoke
         specs[g].meta["htp_logprob_bound"] = b["bound"]
         specs[g].meta["htp_kv_step_bound"] = b["kv_step_bound"]
-        # the HTP's measured worst codes per tensor: smoke perturbs its own passes by them
-        specs[g].meta["htp_op_codes"] = ops[g]["max_codes"] if g in ops else None
+        # the codes the bound perturbed each tensor by (the HTP's measured worst, at least 1): smoke
+        # perturbs its own passes by them
+        specs[g].meta["htp_op_codes"] = b["amplitude"] if g in ops else None
         specs[g].meta["htp_op_kept_bits"] = b["op_kept_bits"]
     with phase("HTP checks"):
         htp_results = htp_checks(out, specs, fidelity["htp_feeds"], config.simulator_passes) if config.htp_check else {}

@@ -94,7 +94,6 @@ class NoisySessions:
             codes = self.specs[key].meta.get("htp_op_codes")
             path = self.bundle / "reference" / key
             model = onnx.load(str(path), load_external_data=False) if codes else None
-            codes = {name: max(1, c) for name, c in (codes or {}).items()}  # as calibrate's bound perturbs
             self.opened[key] = [CodesSession(session_for(perturbed_model(model, d, codes), path.parent, arena=False),
                                              self.specs[key]) for d in range(self.draws)] if codes else []
         return self.opened[key]
@@ -148,17 +147,17 @@ def graph_bounds(bundle: Path, specs: dict) -> dict[str, float]:
     return {role: float(v) for role, v in _meta_per_role(bundle, specs, "htp_logprob_bound").items()}
 
 
-def kv_bounds(specs: dict, bundle: Path | None = None) -> dict[str, float | None]:
+def kv_bounds(bundle: Path, specs: dict) -> dict[str, float | None]:
     """Per graph role, how many steps of their 8-bit grids the new K/V rows may land apart (meta
     `htp_kv_step_bound`, same derivation; None: a graph that writes no K/V)."""
     return _meta_per_role(bundle, specs, "htp_kv_step_bound")
 
 
-def _meta_per_role(bundle: Path | None, specs: dict, key: str) -> dict[str, Any]:
+def _meta_per_role(bundle: Path, specs: dict, key: str) -> dict[str, Any]:
     found = {}
     for name, spec in specs.items():
         if key not in spec.meta:
-            raise HycoError(f"{(bundle or Path('bundle')) / 'io_spec.json'}: graph {name} has no {key} (calibrated "
+            raise HycoError(f"{bundle / 'io_spec.json'}: graph {name} has no {key} (calibrated "
                             "before that bound was recorded); pass --tolerance or re-run calibrate")
         found[name.split(".")[0]] = spec.meta[key]
     return found
@@ -226,7 +225,7 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
     graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
         (k.split(".")[0] for k in specs), float(tolerance))
     log = PassLog(graph_bound, kv_steps={k.split(".")[0]: kv_grid_steps(spec) for k, spec in specs.items()},
-                  kv_bound=kv_bounds(specs, bundle) if tolerance is None else None)
+                  kv_bound=kv_bounds(bundle, specs) if tolerance is None else None)
     try:
         results = run_prompts(prompt_ids, rounds, bundle, opened, cfg, htp, cpu, log, NoisySessions(bundle, specs))
         timings = {"htp (simulation, not phone speed)": htp.timings(), "cpu (onnxruntime, QDQ)": cpu.timings()}
@@ -386,7 +385,7 @@ def smoke_markdown(report: dict[str, Any], prompts: int, reference_tokens: int) 
                           "max_kv_steps", "kv_step_bound", "max_noise_kv_steps"])
     md += ("\nA pass agrees when its top-k ids are equal but for swaps of tokens whose CPU log-probs are within "
            "twice the pass's own HTP-vs-CPU difference (hyco/pass_compare.py: no honest swap crosses a wider gap) "
-           "and every log-prob both top-k rows hold, rank by rank and token by token, is within the graph's bound. "
+           "and every log-prob both top-k rows hold, rank by rank and token by token, is within the graph's bound "
            "or twice the pass's own move when perturbed at the HTP's measured codes (max_pass_bound), "
            "and the new K/V rows it writes are within the graph's K/V bound (max_kv_steps, in steps of their "
            "8-bit grid). Both bounds come from calibrate (`htp_logprob_bound`, `htp_kv_step_bound`): how far "

@@ -21,6 +21,13 @@ from hyco.io_spec import Role, role_of
 TOPK_OUTPUTS = (("topk_logprobs", "topk_indices"), ("topk_logprobs", "topk_ids"))
 
 
+def steps_apart(x, y, step: float) -> float:
+    """The largest |x - y| in steps of a grid: codes are steps already, float values are divided by `step`."""
+    x = np.asarray(x)
+    d = float(np.abs(x.astype(np.float64) - np.asarray(y, np.float64)).max())
+    return d if x.dtype.kind in "iu" else d / step
+
+
 def measured_difference(ids_h, lp_h, ids_c, lp_c) -> float:
     """The largest |HTP - CPU| log-prob of a pass: rank by rank, and token by token over the tokens
     both rows' top-k hold."""
@@ -67,10 +74,7 @@ class PassLog:
         steps = (self.kv_steps or {}).get(role)
 
         def kv_apart(x: dict) -> float | None:  # the new K/V rows' distance from the CPU's, in grid steps
-            if not (steps and kv_names):
-                return None
-            return max(float(np.abs(np.asarray(x[n], np.float64) - np.asarray(b[n], np.float64)).max())
-                       / (1.0 if np.asarray(x[n]).dtype.kind in "iu" else steps[n]) for n in kv_names)
+            return max(steps_apart(x[n], b[n], steps[n]) for n in kv_names) if steps and kv_names else None
         noise = noise_kv = None
         for out in noisy or []:
             n = dict(zip(names, out, strict=True))
