@@ -20,10 +20,11 @@ float graphs to the HTP"):
   uint16 with scale s/256 and zero point 32768 (every int8 code lands on the uint16 grid).
 - `gelu_tanh_as_sigmoid` (trap: the HTP's Tanh returns garbage in some graph contexts):
   1 + tanh(u) = 2 * sigmoid(2u), exact in real arithmetic.
-- `softcap_scale_as_div` (trap: on the soc-87 HTP a Tanh whose output feeds a Mul computes
-  garbage in rows 2.. of a 16-row tensor, whatever the width or the Mul's operand; seen on the
-  prefill graph's softcap, reproduced with a 7-node graph): the softcap's final x c becomes a Div
-  by 1/c (the same number to float rounding; right on the HTP for every row count tried).
+- `softcap_as_sigmoid` (trap: on the soc-87 HTP a 16-bit Tanh in a 16-row tensor computes garbage
+  in rows 2..15 when a Mul or Div consumes it, by thousands of codes, at every input range tried;
+  1, 2, 5, 8, 15, 17, 32, 33, 48, 64 and 128 rows were right; a Div in the Mul's place fixed one
+  graph and not the next; the Sigmoid was right at every row count): the softcap
+  c tanh(x / c) as 2c sigmoid(2x / c) - c, exact in real arithmetic, so no Tanh is left in a graph.
 - `log_softmax_as_exp_sum` (trap: the HTP's 16-bit LogSoftmax kernel is off by up to 745 output
   codes, 0.14 nats, on the tiny graphs' 1,345-way rows, against ~2 codes for every other op):
   x - m - log(sum(exp(x - m))), m = max(x), written out; each piece is an op the HTP computes
@@ -41,6 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from hyco.errors import HycoError
 from hyco.io_spec import Role, role_of
 from hyco.onnx_graph import consumers as graph_consumers
 
@@ -243,7 +245,7 @@ def srq_int8_as_uint16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def gelu_tanh_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
     """Add(1, Tanh(u)) -> Mul(Sigmoid(Mul(u, 2)), 2): GELU's 1 + tanh(u) as 2 sigmoid(2u).
-    (The softcap's Tanh is left alone: it is not followed by + 1.)"""
+    (The softcap's Tanh is `softcap_as_sigmoid`'s: it is not followed by + 1.)"""
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -351,32 +353,48 @@ def _prune_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def softcap_scale_as_div(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Mul(Tanh(u), c) with c a constant whose entries are all equal (the softcap, written by
-    convert as a vector) -> Div(Tanh(u), 1/c). Trap: on the soc-87 HTP (simulator), a Tanh feeding
-    a Mul returns garbage in rows 2..15 of a 16-row tensor (any width, Mul by a scalar or a vector,
-    any Tanh encoding), reading memory that changes between processes; rows 8, 17, 32, 33 are
-    right. A Div in the Mul's place made convert's prefill graph right (the stage's simulator
-    check holds it within its bound), but NOT a synthetic x / 30 -> Tanh -> x 30 graph of 16 x 64:
-    there rows 2.. stay wrong with the Div too, so the trap's trigger is not fully known; the
-    stage's simulator-vs-CPU check is what catches it on a new graph."""
+def softcap_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Mul(Tanh(u), c) with c a constant whose entries all equal one number (the softcap, which
+    convert writes as a vector) -> Sub(Mul(Sigmoid(Mul(u, 2)), 2c), c): c tanh(u) as
+    2c sigmoid(2u) - c. Both QNN encodings are fixed and equally fine (Tanh [-1, 1) at 1/32768,
+    Sigmoid [0, 1) at 1/65536), so the rewrite costs no resolution; what it buys is that the HTP's
+    Tanh, wrong in 16-row tensors (module docstring), never runs."""
     model = _copy(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
+    consumers = graph_consumers(graph)
     producer = {o: n for n in graph.node for o in n.output}
+    replace: dict[str, list[onnx.NodeProto]] = {}
+    drop = set()
     for node in graph.node:
         if node.op_type != "Mul":
             continue
-        tanh_side = [j for j, x in enumerate(node.input) if producer.get(x) is not None and producer[x].op_type == "Tanh"]
+        tanh_side = [j for j, x in enumerate(node.input) if x in producer and producer[x].op_type == "Tanh"]
         if len(tanh_side) != 1 or node.input[1 - tanh_side[0]] not in inits:
             continue
-        c = numpy_helper.to_array(inits[node.input[1 - tanh_side[0]]]).reshape(-1)
-        if c.size == 0 or not np.all(c == c[0]) or c[0] == 0:
+        t = producer[node.input[tanh_side[0]]]
+        c = numpy_helper.to_array(inits[node.input[1 - tanh_side[0]]])
+        if len(consumers.get(t.output[0], [])) != 1 or c.size == 0 or not np.all(c == c.flat[0]) or c.flat[0] == 0:
             continue
-        inverse = _unique(graph, "softcap_inverse")
-        graph.initializer.append(numpy_helper.from_array(np.array(1.0 / float(c[0]), np.float32), inverse))
-        node.op_type = "Div"
-        node.input[:] = [node.input[tanh_side[0]], inverse]
+        base = node.output[0]
+        names = {k: _unique(graph, f"softcap_{k}") for k in ("two", "two_c", "c")}
+        # 2c and c keep the constant's shape (convert's vector): the HTP fuses an op by a scalar
+        # constant into the log-softmax after it with the wrong range (`tests/htp_rules.py`)
+        for k, v in (("two", np.array(2.0)), ("two_c", 2.0 * c), ("c", c)):
+            graph.initializer.append(numpy_helper.from_array(np.asarray(v, np.float32), names[k]))
+        doubled, sig, scaled = (_unique(graph, base + suffix) for suffix in ("_2u", "_sigmoid", "_x2c"))
+        replace[base] = [helper.make_node("Mul", [t.input[0], names["two"]], [doubled], name=doubled),
+                         helper.make_node("Sigmoid", [doubled], [sig], name=sig),
+                         helper.make_node("Mul", [sig, names["two_c"]], [scaled], name=scaled),
+                         helper.make_node("Sub", [scaled, names["c"]], [base], name=base + "_minus_c")]
+        drop.add(t.output[0])
+    out = []
+    for node in graph.node:
+        if node.output[0] in drop:
+            continue
+        out.extend(replace.get(node.output[0], [node]))
+    del graph.node[:]
+    graph.node.extend(out)
     _prune_initializers(graph)
     return model
 
@@ -441,25 +459,36 @@ def split_kv_row_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def prepare_slm(model: onnx.ModelProto, folder=None, weights: WeightFile | None = None) -> onnx.ModelProto:
+def prepare_slm(model: onnx.ModelProto, folder=None, weights: WeightFile | None = None,
+                name: str = "the SLM graph") -> onnx.ModelProto:
     """The convert graphs' passes, in order (the same for tree and prefill). `folder`, `weights`:
     a graph whose weights are on disk (`fold_weight_transposes`)."""
     model = fold_shape_subgraphs(model)
     model = fold_weight_transposes(model, folder, weights)
-    for step in (explicit_weight_zero_points, srq_int8_as_uint16, gelu_tanh_as_sigmoid, softcap_scale_as_div,
+    for step in (explicit_weight_zero_points, srq_int8_as_uint16, gelu_tanh_as_sigmoid, softcap_as_sigmoid,
                  log_softmax_as_exp_sum, split_kv_row_outputs):
         model = step(model)
-    return model
+    return no_tanh_left(model, name)
 
 
-def prepare_mtp(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple[float, int]]]:
+def prepare_mtp(model: onnx.ModelProto, name: str = "the MTP step graph") -> tuple[onnx.ModelProto, dict[str, tuple[float, int]]]:
     """qat's step graph: its input QDQ comes off (the ranges go to the quantizer), then the
     same passes as the SLM graphs (most find nothing to do there)."""
     model, params = strip_input_qdq(model)
     for step in (fold_shape_subgraphs, fold_weight_transposes, explicit_weight_zero_points, gelu_tanh_as_sigmoid,
-                 log_softmax_as_exp_sum):
+                 softcap_as_sigmoid, log_softmax_as_exp_sum):
         model = step(model)
-    return model, params
+    return no_tanh_left(model, name), params
+
+
+def no_tanh_left(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The graph, or an error naming each Tanh the rewrites did not take (a softcap by unequal
+    constants, a Tanh in a new place): the HTP computes 16-row Tanh wrong (`softcap_as_sigmoid`)."""
+    left = [f"{n.name or n.output[0]} (input {n.input[0]})" for n in model.graph.node if n.op_type == "Tanh"]
+    if left:
+        raise HycoError(f"{name}: Tanh the HTP would compute wrong at 16 rows, not rewritten as "
+                        f"Sigmoid: {', '.join(left[:4])}")
+    return model
 
 
 # --- weights on disk ------------------------------------------------------------------------

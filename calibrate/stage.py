@@ -299,8 +299,13 @@ HTP_GRID_RULES = (
      "the HTP folds the Neg into rotary's Concat; a calibrated grid clipped negated values on the CPU"),
     ("Reciprocal inputs; Log outputs (calibrated ranges)", "widened: a Reciprocal's input range to reach 1.0, a "
      "Log's output range to span 4.0", "the HTP's kernels compute those two wrong on narrower grids"),
-    ("Tanh and Sigmoid outputs", "onnxruntime's QNN config: Tanh [-1, 1) at 1/32768, Sigmoid [0, 1) at 1/65536",
-     "QNN's 16-bit Tanh and Sigmoid require those encodings"),
+    ("Sigmoid outputs", "onnxruntime's QNN config: [0, 1) at 1/65536", "QNN's 16-bit Sigmoid requires that encoding"),
+    ("Tanh (GELU's and the softcap's)", "none reaches the HTP: 1 + tanh(u) as 2 sigmoid(2u), c tanh(u) as "
+     "2c sigmoid(2u) - c with 2c and c as vectors (`prepare`; a graph with a Tanh left is refused)",
+     "the HTP's 16-bit Tanh computed rows 2-15 of 16-row tensors thousands of codes wrong when a Mul or Div "
+     "consumed it (the prefill softcap of a trained SLM; synthetic graphs at every input range); Sigmoid was "
+     "right at every row count tried (1-128); with scalar 2c and c the HTP's Sub before the log-softmax was "
+     "63,707 codes off on the tree graph, with vectors within 3"),
 )
 
 
@@ -439,7 +444,7 @@ def prepare_and_measure(convert: Path, g: str, tmp: Path, recorded: Path, passes
     start = time.perf_counter()
     path = tmp / f"{g}.prepared.onnx"
     with WeightFile(path) as weights:  # the transposed weights go there as they are made
-        prepared = prepare_slm(load_graph(convert / SLM_GRAPHS[g]), convert, weights)
+        prepared = prepare_slm(load_graph(convert / SLM_GRAPHS[g]), convert, weights, name=str(convert / SLM_GRAPHS[g]))
         save_streamed(prepared, convert, path, weights=weights)  # now refers to path's weights
     phases["prepare_s"] = round(time.perf_counter() - start, 2)
     start = time.perf_counter()
@@ -527,7 +532,7 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
 
     spec = inputs["qat_specs"][MTP_GRAPH]
     float_twin = qat / spec.meta.get("float_graph", "mtp_step.float.onnx")
-    prepared, input_params = prepare_mtp(onnx.load(str(qat / MTP_GRAPH)))
+    prepared, input_params = prepare_mtp(onnx.load(str(qat / MTP_GRAPH)), name=str(qat / MTP_GRAPH))
     src = tmp / "mtp.prepared.onnx"
     save(prepared, src)
     sess = cpu_session(src)

@@ -233,6 +233,81 @@ def mutated_copy(bundle, out, graph: str, tensor: str):
     return out
 
 
+def softcap_fault_copy(bundle, out, graph: str = "prefill"):
+    """A copy of `bundle` whose context binary for `graph` is compiled from its reference QDQ graph
+    with the softcap written back as the HTP computes it wrong: Mul(Tanh(u), c) on Tanh's fixed
+    uint16 grid (1/32768, zero point 32768) in place of calibrate's 2c sigmoid(2u) - c. The same
+    function on the CPU, so the reference stays right and only the binary is faulty: at 16 rows
+    (the tiny prefill chunk) the HTP's Tanh computes rows 2-15 thousands of codes wrong."""
+    import json
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from hyco.bundle import file_table
+    from hyco.qnn import compile_isolated
+
+    shutil.copytree(bundle, out)
+    meta = json.loads((out / "bundle.json").read_text())
+    model = onnx.load(str(out / "reference" / f"{graph}.qdq.onnx"))
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    consumer = {i: n for n in nodes for i in n.input}
+
+    def through_qdq(node):  # the op after `node`'s QuantizeLinear -> DequantizeLinear, and the two
+        q = consumer[node.output[0]]
+        dq = consumer[q.output[0]]
+        return consumer[dq.output[0]], [q, dq]
+
+    # the softcap's Sigmoid: the one whose Mul by 2c feeds a Sub (GELU's feed a Mul by the up projection)
+    sigmoid, x2c, qdq1, sub, qdq2 = next((n, x2c, qdq1, *through_qdq(x2c)) for n in nodes if n.op_type == "Sigmoid"
+                                         for x2c, qdq1 in [through_qdq(n)] if through_qdq(x2c)[0].op_type == "Sub")
+    doubled = producer[producer[producer[sigmoid.input[0]].input[0]].input[0]]  # Mul(u, 2) -> Q -> DQ -> Sigmoid
+    assert (doubled.op_type, x2c.op_type) == ("Mul", "Mul"), (doubled, x2c)
+    before_sigmoid = [producer[sigmoid.input[0]], producer[producer[sigmoid.input[0]].input[0]]]
+    gone = {id(n) for n in (doubled, *before_sigmoid, sigmoid, *qdq1, x2c, *qdq2, sub)}
+    model.graph.initializer.extend([numpy_helper.from_array(np.array(1 / 32768, np.float32), "fault_tanh_scale"),
+                                    numpy_helper.from_array(np.array(32768, np.uint16), "fault_tanh_zero")])
+    fault = [helper.make_node("Tanh", [doubled.input[0]], ["fault_tanh"], name="fault_tanh"),
+             helper.make_node("QuantizeLinear", ["fault_tanh", "fault_tanh_scale", "fault_tanh_zero"], ["fault_tanh_q"]),
+             helper.make_node("DequantizeLinear", ["fault_tanh_q", "fault_tanh_scale", "fault_tanh_zero"], ["fault_tanh_dq"]),
+             helper.make_node("Mul", ["fault_tanh_dq", sub.input[1]], [sub.output[0]], name="fault_times_c")]
+    kept = [n for n in nodes if id(n) not in gone]
+    at = kept.index(consumer[sub.output[0]])
+    del model.graph.node[:]
+    model.graph.node.extend(kept[:at] + fault + kept[at:])
+    faulty = out.parent / f"{graph}.fault.qdq.onnx"
+    onnx.save(model, str(faulty))
+    onnx.checker.check_model(str(faulty))
+    part = meta["graphs"][graph]["parts"][0]
+    compiled = compile_isolated(faulty, out, graph, soc_model=meta["soc_model"])  # replaces both files
+    assert (compiled.context.name, compiled.binary.name) == (part["context"], part["binary"])
+    part["binary_bytes"] = compiled.binary.stat().st_size
+    meta["files"] = file_table(out)
+    (out / "bundle.json").write_text(json.dumps(meta, indent=2))
+    return out
+
+
+@pytest.mark.slow
+def test_smoke_fails_on_a_bundle_compiled_with_the_softcap_fault(smoked, tiny_export_distilled, tiny_family_distilled,
+                                                                  tmp_path):
+    """The fault issue 37 met, in the binary itself: the prefill graph compiled with the softcap's
+    Tanh (which calibrate no longer emits). smoke must refuse it on the prefill passes."""
+    from hyco.export.smoke import smoke
+
+    from hyco.pass_compare import PassLog
+
+    assert smoked["passed"], smoked["headline"]
+    bundle = softcap_fault_copy(tiny_export_distilled[1], tmp_path / "bundle")
+    report = smoke(bundle=bundle, verifier=tiny_family_distilled["verifier"], prompts=2, rounds=2, tolerance=None,
+                   isolate=True, out=tmp_path / "smoke")
+    assert not report["passed"], report["headline"]
+    wrong = [p for p in report["passes"] if p["role"] == "prefill" and not PassLog.ok(p)]
+    assert wrong, report["by_graph"]["prefill"]
+
+
 # One activation at twice its scale, as a wrong encoding or kernel would leave it. Measured on the
 # main job's bundle (graph bounds tree 0.35-0.40 / prefill 0.36 nats, K/V 7-8 steps; a pass's own
 # bound up to twice its perturbation, 0.45-0.94; the HTP itself 0.10-0.13 nats and 2 steps): the
@@ -240,12 +315,12 @@ def mutated_copy(bundle, out, graph: str, tensor: str):
 # value projection: log-probs within 0.31 nats but its K/V rows 42 steps off; layer 4's gate
 # projection 0.53 nats; layer 2's output projection 0.99 nats and K/V 26 steps. (Layer 1's up
 # projection sits at the edge: 0.29 nats, K/V 14 steps against pass bounds of 12-16.)
-MUTATIONS = [("tree", "/output/Tanh_output_0"), ("prefill", "/layers.3/attn/v_proj/MatMul_output_0"),
+MUTATIONS = [("tree", "logits_sigmoid"), ("prefill", "/layers.3/attn/v_proj/MatMul_output_0"),
              ("tree", "/layers.4/mlp/gate_proj/MatMul_output_0"), ("tree", "/layers.2/attn/o_proj/MatMul_output_0")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("graph,tensor", MUTATIONS, ids=["softcap_tanh", "v_proj", "gate_proj", "o_proj"])
+@pytest.mark.parametrize("graph,tensor", MUTATIONS, ids=["softcap_sigmoid", "v_proj", "gate_proj", "o_proj"])
 def test_smoke_fails_on_a_bundle_with_one_activation_scale_off_by_2x(smoked, tiny_export_distilled,
                                                                      tiny_family_distilled, tmp_path, graph, tensor):
     from hyco.export.smoke import smoke
