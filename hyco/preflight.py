@@ -164,6 +164,10 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
                 check_folder(path)
     if "vocab" in modules:
         check_corpus(recipe)
+    if "check" in modules and recipe.check.workload.source is not None:  # every line, before hours of convert
+        from hyco.workloads import read_workload
+
+        read_workload(recipe.path(recipe.check.workload.source, run_dir), recipe.check.workload.schema)
     growth = {}
     verifier = recipe.path(recipe.models.verifier, run_dir)
     if "verifier" in sizes:

@@ -271,8 +271,25 @@ class ExportConfig:
 
 
 @dataclass(frozen=True)
+class WorkloadConfig:
+    """What check decodes (`hyco/runtime/workloads.py`): the chat corpus's first turns (`chat`), or a
+    local file: Spec-Bench's question.jsonl (`spec-bench`) or InfiniteBench's longbook_sum_eng.jsonl
+    (`infinitebench-sum`)."""
+
+    schema: Literal["chat", "spec-bench", "infinitebench-sum"] = "chat"
+    source: str | None = None  # the file, for spec-bench and infinitebench-sum
+
+    def __post_init__(self):
+        _require((self.schema == "chat") == (self.source is None),
+                 f"check.workload.source names the file of a spec-bench or infinitebench-sum workload (and nothing "
+                 f"for chat, which reads the dataset section), but got schema {self.schema!r} and source {self.source!r}")
+
+
+@dataclass(frozen=True)
 class CheckConfig:
     configs: tuple[str, ...] = ("hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp")
+    workload: WorkloadConfig = WorkloadConfig()
+    bootstrap_resamples: int = 2000  # question-level bootstrap of MAT and paired MAT differences
     prompts: int = 60
     max_new_tokens: int = 256
     backend: Literal["torch", "onnxruntime", "qnn"] = "torch"
@@ -301,6 +318,8 @@ class CheckConfig:
         _require(self.slm_topk >= 1, f"check.slm_topk must be >= 1, but got {self.slm_topk}")
         _require(self.specedge_passes >= 1, f"check.specedge_passes must be >= 1, but got {self.specedge_passes}")
         _require(self.threads >= 0, f"check.threads must be >= 0, but got {self.threads}")
+        _require(self.bootstrap_resamples >= 100,
+                 f"check.bootstrap_resamples must be >= 100, but got {self.bootstrap_resamples}")
         _require(self.prompts >= 1 and self.max_new_tokens >= 1,
                  f"check.prompts and check.max_new_tokens must be >= 1, but got {self.prompts} and {self.max_new_tokens}")
         _require(0 < self.epsilon <= 1, f"check.epsilon must be in (0, 1], but got {self.epsilon}")

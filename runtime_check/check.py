@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hyco.runtime_check.bootstrap import cluster_sums, paired_relative_ci, ratio_ci
 from hyco.runtime_check.metrics import summarize
 from hyco.runtime_check.report import write_report
 
@@ -25,6 +26,7 @@ from hyco.runtime.decode import DecodeLog, decode
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
 from hyco.runtime.inputs import load_model, load_prompts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
+from hyco.workloads import chat_ids, read_workload
 
 
 @dataclass(frozen=True)
@@ -186,8 +188,10 @@ def compare_with_generate(logs: list[DecodeLog], reference: list[tuple[list[int]
 def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vocab_dir: Path | None,
               dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
               max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
-              prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None) -> dict[str, Any]:
-    """`ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
+              prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
+              workload: Path | None = None) -> dict[str, Any]:
+    """`workload`: the file of a spec-bench or infinitebench-sum workload (`config.workload`).
+    `ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
     `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`. `out` None: a
     follower process of `accelerate launch` (its share of the prompts; writes nothing).
 
@@ -215,13 +219,15 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
     try:
         return _run_check(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
                           dataset=dataset, config=config, phone=phone, out=out, decode_configs=decode_configs,
-                          prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir)
+                          prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir, workload=workload)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
-               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None):
+               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
+               workload: Path | None = None):
+    from hyco.answers import text_stats
     from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer
 
@@ -240,27 +246,41 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                             f"verifier {verifier} has {vocab_size} (the drafters must share its tokenizer)")
     keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
     count = prompts or config.prompts
-    candidates = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
     eos = set(eos_ids_of(verifier_model))
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
-    # every candidate's reference text (the verifier alone, keyed sampling): the prompts are chosen
-    # by its statistics, and exact verification must commit exactly it
-    mine = my_positions(len(candidates))
-    references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
-                                              keyed_seed(config, i), eos))
-                           for i in progress(mine, desc="reference texts", leave=False)],
-                          len(candidates), "check (reference texts)")
-    selection = choose_prompts(candidates, [t for t, _ in references], count)
-    chosen = [r["candidate"] for r in selection if r["chosen"]]
-    prompt_ids, reference = [candidates[i] for i in chosen], [references[i] for i in chosen]
-    seeds = [keyed_seed(config, i) for i in chosen]
-    results, lossless = {}, {}
+    if config.workload.schema == "chat":
+        candidates = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
+        # every candidate's reference text (the verifier alone, keyed sampling): the prompts are chosen
+        # by its statistics, and exact verification must commit exactly it
+        mine = my_positions(len(candidates))
+        references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
+                                                  keyed_seed(config, i), eos))
+                               for i in progress(mine, desc="reference texts", leave=False)],
+                              len(candidates), "check (reference texts)")
+        selection = choose_prompts(candidates, [t for t, _ in references], count)
+        chosen = [r["candidate"] for r in selection if r["chosen"]]
+        prompt_ids, reference = [candidates[i] for i in chosen], [references[i] for i in chosen]
+        seeds = [keyed_seed(config, i) for i in chosen]
+        items = [{"question_id": str(i), "category": "chat", "turn": 1} for i in chosen]
+    else:
+        if workload is None:
+            raise HycoError(f"check.workload.schema {config.workload.schema!r} needs check.workload.source (the file)")
+        questions = read_workload(workload, config.workload.schema)[:count]
+        prompt_ids, reference, items = workload_prompts(questions, tok, verifier_model, config, sampling, eos)
+        seeds = [keyed_seed(config, i) for i in range(len(prompt_ids))]
+        selection = [{**item, "prompt_tokens": len(ids), **text_stats([ref])}
+                     for item, ids, (ref, _) in zip(items, prompt_ids, reference, strict=True)]
+    results, lossless, all_logs = {}, {}, {}
     for cfg in progress(decode_configs, desc="configurations"):
         run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
                    max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir)
         logs = decode_all(prompt_ids, cfg, config, phone, seeds=seeds, **run)
+        keep = None if keep_ids is None else keep_ids.numpy()
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
-                             "mtp_depth": cfg.mtp_depth, **summarize(logs, None if keep_ids is None else keep_ids.numpy(), config.chain_depth)}
+                             "mtp_depth": cfg.mtp_depth, **summarize(logs, keep, config.chain_depth),
+                             "mat_ci": mat_ci(logs, items, config.bootstrap_resamples, config.seed),
+                             "by_category": by_category(logs, items, keep, config)}
+        all_logs[cfg.name] = logs
         if cfg.epsilon >= 1.0:
             # Evidence for "exact verification is lossless": with each token sampled keyed by its
             # position, the rounds must commit exactly the verifier's own text (`keyed_generate`).
@@ -274,12 +294,82 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     if config.backend == "qnn":
         backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
                         mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
+    paired = paired_mats(all_logs, items, config.bootstrap_resamples, config.seed)
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
+                "workload": workload_stats(config, workload, items, [t for t, _ in reference]), "paired_mat": paired,
                 "prompt_selection": selection,
                 "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
                 "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}
     return write_report(Path(out), results, settings, lossless) if out is not None else {}
+
+
+def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampling: Sampling, eos: set[int]):
+    """Each question's turns as prompts, with the verifier's keyed reference text for each: a second
+    turn is asked after the verifier's own answer to the first (its reference text, decoded), as in
+    MT-bench. Returns prompt ids, references (tokens, logits) and per prompt its question, category
+    and turn."""
+    prompt_ids, reference, items = [], [], []
+    for q in progress(questions, desc="reference texts", leave=False):
+        messages = []
+        for turn, text in enumerate(q.turns, 1):
+            messages.append({"role": "user", "content": text})
+            ids = chat_ids(tok, messages)
+            ref = keyed_generate(verifier_model, ids, config.max_new_tokens, sampling,
+                                 keyed_seed(config, len(prompt_ids)), eos)
+            prompt_ids.append(ids)
+            reference.append(ref)
+            items.append({"question_id": q.question_id, "category": q.category, "turn": turn})
+            messages.append({"role": "assistant", "content": tok.decode(ref[0], skip_special_tokens=True)})
+    return prompt_ids, reference, items
+
+
+def _per_question(logs: list[DecodeLog], items: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    clusters = [it["question_id"] for it in items]
+    _, committed = cluster_sums([sum(r.committed for r in log.rounds) for log in logs], clusters)
+    _, rounds = cluster_sums([len(log.rounds) for log in logs], clusters)
+    return committed, rounds
+
+
+def mat_ci(logs: list[DecodeLog], items: list[dict], resamples: int, seed: int) -> dict:
+    """MAT with its question-level bootstrap interval (a question's turns resampled together)."""
+    return ratio_ci(*_per_question(logs, items), resamples=resamples, seed=seed)
+
+
+def paired_mats(all_logs: dict[str, list[DecodeLog]], items: list[dict], resamples: int, seed: int) -> dict:
+    """Every configuration's MAT against the baseline's (Cloud+MTP where it ran, else the first),
+    in percent, with the paired bootstrap interval over the same questions."""
+    if not all_logs:
+        return {}
+    base = "cloud-mtp" if "cloud-mtp" in all_logs else next(iter(all_logs))
+    b_num, b_den = _per_question(all_logs[base], items)
+    return {"baseline": base, "vs_baseline": {name: paired_relative_ci(*_per_question(logs, items), b_num, b_den,
+                                                                       resamples=resamples, seed=seed)
+                                              for name, logs in all_logs.items() if name != base}}
+
+
+def by_category(logs: list[DecodeLog], items: list[dict], keep, config: CheckConfig) -> dict[str, dict]:
+    out = {}
+    for category in dict.fromkeys(it["category"] for it in items):
+        mine = [i for i, it in enumerate(items) if it["category"] == category]
+        sub, sub_items = [logs[i] for i in mine], [items[i] for i in mine]
+        figures = summarize(sub, keep, config.chain_depth)
+        out[category] = {"prompts": len(mine), "questions": len({it["question_id"] for it in sub_items}),
+                         "mat": figures["mat"], "output_tokens": figures["output_tokens"],
+                         "mat_ci": mat_ci(sub, sub_items, config.bootstrap_resamples, config.seed)["ci"]}
+    return out
+
+
+def workload_stats(config: CheckConfig, workload: Path | None, items: list[dict], texts: list[list[int]]) -> dict:
+    """What the figures were computed on: the workload, its questions, turns and categories, and
+    the verifier's reference texts' statistics (a text mostly one token measures nothing)."""
+    from hyco.answers import text_stats
+
+    return {"schema": config.workload.schema, "source": str(workload) if workload else None,
+            "questions": len({it["question_id"] for it in items}), "prompts": len(items),
+            "second_turns": sum(it["turn"] == 2 for it in items),
+            "categories": {c: sum(it["category"] == c for it in items) for c in dict.fromkeys(it["category"] for it in items)},
+            "reference_text": text_stats(texts)}
 
 
 def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from hyco.artifacts import StageEnd, finish_stage, markdown_table
 # the fixture's models are tiny distilled stand-ins, so their MATs are not comparable with these.
 PAPER_MAT = {"cloud-mtp": 3.05, "specedge": 3.53, "specedge-eps": 4.13, "hyco": 4.71, "hyco-2p": 5.27, "hyco-exact": 3.84}
 
-COLUMNS = ["config", "label", "rule", "mat", "tokens_ge_eps_row", "top_p_row", "unsampled_share", "chain_k1",
+COLUMNS = ["config", "label", "rule", "mat", "mat_ci95", "tokens_ge_eps_row", "top_p_row", "unsampled_share", "chain_k1",
            "chain_kK", "share_chain", "share_sibling", "share_slm", "bonus_outside_keep", "handoff_B_round",
            "kv_B_token", "tree_B_round", "passes_per_token", "draft_ms_round", "output_tokens"]
 
@@ -52,6 +52,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
           "rounds whose first 1 / K chain tokens were all accepted. share_*: accepted tokens by source. Bytes: "
           "hand-off e+h per round, its K/V per committed token, and the tree message per round (8-bit wire).", "",
           *_vacuity_warning(results, epsilon),
+          *_workload_lines(settings, results),
           *_prompt_lines(settings),
           "## Lossless (exact configurations)", "", *_lossless_lines(lossless, settings), "",
           "## The paper's figures (not comparable)", "",
@@ -102,7 +103,7 @@ def _lossless_lines(lossless: dict[str, dict], settings: dict[str, Any]) -> list
 
 def _prompt_lines(settings: dict[str, Any]) -> list[str]:
     rows = settings.get("prompt_selection") or []
-    if not rows:
+    if not rows or "chosen" not in rows[0]:  # a file workload: every question, no choosing
         return []
     chosen = [r for r in rows if r["chosen"]]
     short = sum(r["degenerate"] for r in chosen)
@@ -119,7 +120,7 @@ def _row(name: str, r: dict) -> dict:
     share = r["accepted_share_by_source"]
     return {
         "config": name, "label": r["label"], "rule": "exact" if r["epsilon"] >= 1 else f"eps={r['epsilon']:g}",
-        "mat": r["mat"], "tokens_ge_eps_row": r["tokens_at_epsilon_per_row"], "top_p_row": r["top_probability_per_row"],
+        "mat": r["mat"], "mat_ci95": _ci(r["mat_ci"]["ci"]), "tokens_ge_eps_row": r["tokens_at_epsilon_per_row"], "top_p_row": r["top_probability_per_row"],
         "unsampled_share": r["committed_unsampled_share"], "chain_k1": chain[0] if chain else "",
         "chain_kK": chain[-1] if chain else "", "share_chain": share["chain"], "share_sibling": share["sibling"],
         "share_slm": share["slm"], "bonus_outside_keep": r["bonus_outside_keep_share"],
@@ -127,6 +128,40 @@ def _row(name: str, r: dict) -> dict:
         "tree_B_round": r["tree_bytes_per_round"], "passes_per_token": r["verifier_passes_per_output_token"],
         "draft_ms_round": r["drafter_ms_per_round"], "output_tokens": r["output_tokens"],
     }
+
+
+def _ci(interval: list[float], digits: int = 2) -> str:
+    return f"{interval[0]:.{digits}f}-{interval[1]:.{digits}f}"
+
+
+def _workload_lines(settings: dict[str, Any], results: dict[str, dict]) -> list[str]:
+    """The workload's statistics, MAT per category and the paired MAT differences, with their
+    question-level bootstrap intervals."""
+    w, paired = settings.get("workload"), settings.get("paired_mat") or {}
+    if not w:
+        return []
+    text = w["reference_text"]
+    md = ["## Workload and confidence intervals", "",
+          f"{w['schema']}{' from ' + w['source'] if w['source'] else ''}: {w['questions']} questions, {w['prompts']} "
+          f"prompts ({w['second_turns']} second turns, each asked after the verifier's own first answer); categories "
+          + ", ".join(f"{c} {n}" for c, n in w["categories"].items()) + f". The verifier's reference texts: "
+          f"{text['tokens']} tokens, {text['distinct_tokens']} distinct, the most frequent {100 * text['top_share']:.1f}%.",
+          "",
+          f"Intervals: 95%, question-level bootstrap ({settings['check']['bootstrap_resamples']:,} resamples; a "
+          "question's turns resampled together; MAT recomputed from the resampled questions' totals).", ""]
+    if paired.get("vs_baseline"):
+        md += [f"MAT against {paired['baseline']} on the same questions (paired):", "",
+               markdown_table([{"config": n, "mat_vs_baseline_percent": round(v["percent"], 2),
+                                "ci95_percent": _ci(v["ci_percent"], 1), "questions": v["clusters"]}
+                               for n, v in paired["vs_baseline"].items()],
+                              ["config", "mat_vs_baseline_percent", "ci95_percent", "questions"])]
+    categories = list(next(iter(results.values()))["by_category"]) if results else []
+    if len(categories) > 1:
+        rows = [{"category": c, "questions": next(iter(results.values()))["by_category"][c]["questions"],
+                 **{n: f"{r['by_category'][c]['mat']:.2f} ({_ci(r['by_category'][c]['mat_ci'])})" for n, r in results.items()}}
+                for c in categories]
+        md += ["MAT per category (95% interval):", "", markdown_table(rows, ["category", "questions", *results])]
+    return md
 
 
 def _blank(value):

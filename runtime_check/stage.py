@@ -36,6 +36,8 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
         paths[name] = path
     if "vocab" in recipe.stages:
         paths["vocab"] = stage_dir(run_dir, "vocab")
+    if recipe.check.workload.source is not None:
+        paths["workload"] = recipe.path(recipe.check.workload.source, run_dir)
     if recipe.check.backend == "qnn":  # both drafters read the export bundle (graphs, LUTs, rope, io_spec)
         paths["convert"] = paths["qat"] = stage_dir(run_dir, "export") / "bundle"
     if recipe.check.backend == "onnxruntime":
@@ -57,4 +59,4 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
     return run_check(verifier=paths["verifier"], assistant=paths["assistant"], slm=paths["slm"],
                      tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
                      config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),
-                     qat_dir=paths.get("qat"), **phone_shapes(recipe))
+                     qat_dir=paths.get("qat"), workload=paths.get("workload"), **phone_shapes(recipe))

@@ -74,3 +74,18 @@ def test_the_verifier_estimate_follows_the_placement_dtype():
     sizes = {"verifier": 50_466_283_580}
     rows = {r.stage: r.memory_gb for r in estimate(("answers", "check"), sizes, {"answers": 1.0, "check": 2.0})}
     assert 55 < rows["answers"] < 58 and rows["check"] == pytest.approx(2 * rows["answers"], rel=1e-3)
+
+
+def test_a_bad_workload_line_is_refused_before_any_stage(tiny_family, tmp_path, capsys):
+    """check's Spec-Bench file is read whole by preflight: a bad line 3 stops the run before vocab
+    and convert spend their time, naming the file and the line."""
+    questions = tmp_path / "question.jsonl"
+    good = '{"question_id": %d, "category": "qa", "turns": ["Why?"]}\n'
+    questions.write_text(good % 1 + good % 2 + '{"question_id": 3, "category": "qa", "turns": "Why?"}\n')
+    recipe = _recipe(tmp_path, tiny_family, stages=[*STAGES, "check"],
+                     check={"workload": {"schema": "spec-bench", "source": str(questions)}})
+    _refused(capsys, main(["run", recipe]), tmp_path, f"{questions}:3", "turns must be a list")
+    missing = tmp_path / "nowhere.jsonl"
+    recipe = _recipe(tmp_path, tiny_family, stages=[*STAGES, "check"],
+                     check={"workload": {"schema": "spec-bench", "source": str(missing)}})
+    _refused(capsys, main(["run", recipe]), tmp_path, str(missing), "not found")

@@ -155,3 +155,52 @@ def test_onnxruntime_backend_needs_the_qat_graphs_too(tiny_family, tmp_path, cap
     assert main(["check", "--recipe", str(recipe)]) == 2
     assert "needs the qat stage's graphs, but " in capsys.readouterr().err
     assert not (tmp_path / "run" / "check").exists()
+
+
+SPEC_BENCH = [{"question_id": 81, "category": "writing", "turns": ["Write a short poem about the sea.",
+                                                                    "Now rewrite it for a child."]},
+              {"question_id": 82, "category": "writing", "turns": ["Describe a city at night."]},
+              {"question_id": "math_1", "category": "math", "turns": ["What is 12 times 7?", "And halved?"]}]
+
+
+def test_check_on_a_spec_bench_file_reports_categories_second_turns_and_intervals(tiny_family, tmp_path):
+    """`check.workload.schema: spec-bench`: every question (no choosing), each second turn asked after
+    the verifier's own first answer, MAT per configuration with a question-level interval (the two
+    turns of a question resampled together), the paired difference against Cloud+MTP, and MAT per
+    category; exact verification still commits the verifier's own text, turn by turn."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SPEC_BENCH))
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, configs=["hyco-exact", "cloud-mtp"], prompts=3,
+                          workload={"schema": "spec-bench", "source": str(questions)})
+    assert main(["run", str(recipe)]) == 0
+    out = tmp_path / "run" / "check"
+    report = json.loads((out / "report.json").read_text())
+    w = report["settings"]["workload"]
+    assert (w["questions"], w["prompts"], w["second_turns"]) == (3, 5, 2)
+    assert w["categories"] == {"writing": 3, "math": 2} and w["reference_text"]["tokens"] > 0
+    for name, r in report["configs"].items():
+        lo, hi = r["mat_ci"]["ci"]
+        assert lo <= r["mat"] <= hi and r["mat_ci"]["clusters"] == 3, name
+        assert {c: v["questions"] for c, v in r["by_category"].items()} == {"writing": 2, "math": 1}
+        assert report["lossless"][name]["equal"] and report["lossless"][name]["prompts"] == 5, name
+    paired = report["settings"]["paired_mat"]
+    assert paired["baseline"] == "cloud-mtp" and list(paired["vs_baseline"]) == ["hyco-exact"]
+    v = paired["vs_baseline"]["hyco-exact"]
+    assert v["ci_percent"][0] <= v["percent"] <= v["ci_percent"][1]
+    ratio = report["configs"]["hyco-exact"]["mat"] / report["configs"]["cloud-mtp"]["mat"] - 1
+    assert v["percent"] == pytest.approx(100 * ratio)
+    md = (out / "summary.md").read_text()
+    assert "spec-bench from" in md and "MAT per category" in md and "| writing | 2 |" in md
+    assert "MAT against cloud-mtp on the same questions (paired)" in md
+
+
+def test_a_bad_spec_bench_line_stops_check_with_file_and_line(tiny_family, tmp_path, capsys):
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps(SPEC_BENCH[0]) + "\n" + '{"question_id": 2, "category": "qa"}\n')
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, workload={"schema": "spec-bench", "source": str(questions)})
+    assert main(["check", "--recipe", str(recipe)]) == 2
+    assert f"{questions}:2: spec-bench line lacks turns" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "check").exists()
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, workload={"schema": "spec-bench"})
+    assert main(["check", "--recipe", str(recipe)]) == 2
+    assert "check.workload.source names the file" in capsys.readouterr().err

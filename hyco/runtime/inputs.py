@@ -54,8 +54,6 @@ def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, c
                 break
     if len(texts) < count:
         raise HycoError(f"check.prompts asks for {count} prompts, but {prompts_file or dataset.source} has {len(texts)}")
-    prompts = []
-    for text in (texts if all_available else texts[:count]):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+    from hyco.workloads import chat_ids
+
+    return [chat_ids(tokenizer, [{"role": "user", "content": text}]) for text in (texts if all_available else texts[:count])]
