@@ -293,6 +293,11 @@ class CheckConfig:
     prompts: int = 60
     max_new_tokens: int = 256
     backend: Literal["torch", "onnxruntime", "qnn"] = "torch"
+    # With backend onnxruntime, which numerics the phone's drafters run: `deployed`, the export
+    # bundle's QDQ graphs (16-bit activations, 8-bit KV rings, the codes the HTP is held to by
+    # smoke), or `float`, convert's graphs and qat's step graph. A configuration named `X@float`
+    # (or `X@deployed`) runs X with the other numerics, for the paired difference in the report.
+    drafters: Literal["deployed", "float"] = "deployed"
     temperature: float = 1.0
     top_k: int = 64
     top_p: float = 0.95

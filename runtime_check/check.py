@@ -53,11 +53,25 @@ def phone_mtp(cfg: DecodeConfig) -> bool:
     return bool(cfg.mtp_depth) and not cfg.mtp_on_server
 
 
+def deployed(cfg: DecodeConfig, check: CheckConfig) -> bool:
+    """The phone's drafters on the export bundle's QDQ graphs on onnxruntime CPU."""
+    return check.backend == "onnxruntime" and cfg.drafters == "deployed"
+
+
 def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier, head, slm, keep_ids,
-                  convert_dir: Path | None = None, qat_dir: Path | None = None) -> TreeDrafter:
+                  convert_dir: Path | None = None, qat_dir: Path | None = None,
+                  bundle_dir: Path | None = None) -> TreeDrafter:
     mtp = None
     wire = check.wire_bits == 8
-    if phone_mtp(cfg) and check.backend == "qnn":  # convert_dir and qat_dir are both the export bundle
+    cpu = None
+    if deployed(cfg, check):  # the bundle's reference QDQ graphs, through the qnn backend's drafters
+        from hyco.runtime.qnn_backend import bundle_sessions, mtp_qnn, slm_qnn
+
+        cpu = bundle_sessions(bundle_dir, backend="cpu", isolate=False)
+    if phone_mtp(cfg) and cpu is not None:
+        mtp = mtp_qnn(bundle_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
+                      quantize_wire=wire, sessions=cpu)
+    elif phone_mtp(cfg) and check.backend == "qnn":  # convert_dir and qat_dir are both the export bundle
         from hyco.runtime.qnn_backend import mtp_qnn
 
         mtp = mtp_qnn(qat_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
@@ -73,7 +87,10 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
                             window=None if cfg.mtp_on_server else phone.mtp_window,
                             quantize_wire=not cfg.mtp_on_server and wire)
     drafter_slm = None
-    if cfg.slm_passes and check.backend == "qnn":
+    if cfg.slm_passes and cpu is not None:
+        drafter_slm = slm_qnn(bundle_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full,
+                              sessions=cpu)
+    elif cfg.slm_passes and check.backend == "qnn":
         from hyco.runtime.qnn_backend import slm_qnn
 
         drafter_slm = slm_qnn(convert_dir, keep_ids=keep_ids, max_prompt=phone.max_prompt, ring_full=phone.ring_full)
@@ -101,7 +118,8 @@ def keyed_seed(check: CheckConfig, prompt_index: int) -> int:
 
 def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier,
                head, slm, keep_ids, eos_ids: set[int], max_new_tokens: int, convert_dir: Path | None = None,
-               qat_dir: Path | None = None, seeds: list[int] | None = None) -> list[DecodeLog]:
+               qat_dir: Path | None = None, bundle_dir: Path | None = None,
+               seeds: list[int] | None = None) -> list[DecodeLog]:
     """`seeds`: per prompt, the verifier samples each token keyed by its position (the committed
     text is then the verifier's own keyed text whatever the drafts: `keyed_generate`). Under
     `accelerate launch` each process decodes its share of the prompts (`hyco.launch`)."""
@@ -112,7 +130,7 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
     mine = my_positions(len(prompts))
     for i in progress(mine, desc=cfg.name, leave=False):
         drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
-                                convert_dir=convert_dir, qat_dir=qat_dir)
+                                convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
         reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
                                       window=handoff_window(cfg, phone), keyed_seed=seeds[i] if seeds else None)
         generator = torch.Generator().manual_seed(check.seed + i)
@@ -189,7 +207,7 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
               dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
               max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
-              workload: Path | None = None) -> dict[str, Any]:
+              bundle_dir: Path | None = None, workload: Path | None = None) -> dict[str, Any]:
     """`workload`: the file of a spec-bench or infinitebench-sum workload (`config.workload`).
     `ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
     `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`. `out` None: a
@@ -206,12 +224,18 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
         raise HycoError(f"check.backend 'qnn' runs both drafters on the QNN HTP from the export stage's bundle, but "
                         f"{convert_dir}/bundle.json does not exist (add export to the recipe's stages)")
     if config.backend == "onnxruntime":
-        needs = {"convert": (convert_dir, any(c.slm_passes for c in decode_configs)),
-                 "qat": (qat_dir, any(phone_mtp(c) for c in decode_configs))}
+        floats = [c for c in decode_configs if not deployed(c, config)]
+        needs = {"convert": (convert_dir, any(c.slm_passes for c in floats)),
+                 "qat": (qat_dir, any(phone_mtp(c) for c in floats))}
         for stage, (folder, needed) in needs.items():
             if needed and (folder is None or not (Path(folder) / "io_spec.json").is_file()):
                 raise HycoError(f"check.backend 'onnxruntime' needs the {stage} stage's graphs, but "
                                 f"{folder}/io_spec.json does not exist (add {stage} to the recipe's stages)")
+        on_bundle = [c.name for c in decode_configs if deployed(c, config) and (c.slm_passes or phone_mtp(c))]
+        if on_bundle and (bundle_dir is None or not (Path(bundle_dir) / "bundle.json").is_file()):
+            raise HycoError(f"check.drafters 'deployed' ({', '.join(on_bundle)}) runs the export bundle's QDQ graphs, "
+                            f"but {bundle_dir}/bundle.json does not exist (add export to the recipe's stages, or set "
+                            "check.drafters to float)")
     threads = torch.get_num_threads()
     if config.threads:
         # Tiny models on a shared CPU: the thread pool's spin-waits cost more than the matmuls.
@@ -219,14 +243,15 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
     try:
         return _run_check(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
                           dataset=dataset, config=config, phone=phone, out=out, decode_configs=decode_configs,
-                          prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir, workload=workload)
+                          prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir,
+                          workload=workload)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
                prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
-               workload: Path | None = None):
+               bundle_dir: Path | None = None, workload: Path | None = None):
     from hyco.answers import text_stats
     from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer
@@ -273,7 +298,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     results, lossless, all_logs = {}, {}, {}
     for cfg in progress(decode_configs, desc="configurations"):
         run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
-                   max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir)
+                   max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
         logs = decode_all(prompt_ids, cfg, config, phone, seeds=seeds, **run)
         keep = None if keep_ids is None else keep_ids.numpy()
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
@@ -291,6 +316,10 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
                 "mtp": "onnxruntime (qat/ mtp_step.onnx, INT4)" if graphs else "torch float (qat/mtp.py)",
                 "verifier": "transformers float32"}
+    if graphs and config.drafters == "deployed":
+        backends.update(slm="onnxruntime CPU on the export bundle's tree/prefill QDQ graphs (16-bit activations, "
+                            "8-bit KV rings: deployed numerics)",
+                        mtp="onnxruntime CPU on the export bundle's mtp_step QDQ graph (deployed numerics)")
     if config.backend == "qnn":
         backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
                         mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
@@ -342,10 +371,18 @@ def paired_mats(all_logs: dict[str, list[DecodeLog]], items: list[dict], resampl
     if not all_logs:
         return {}
     base = "cloud-mtp" if "cloud-mtp" in all_logs else next(iter(all_logs))
-    b_num, b_den = _per_question(all_logs[base], items)
-    return {"baseline": base, "vs_baseline": {name: paired_relative_ci(*_per_question(logs, items), b_num, b_den,
-                                                                       resamples=resamples, seed=seed)
-                                              for name, logs in all_logs.items() if name != base}}
+
+    def paired(a: str, b: str) -> dict:
+        return paired_relative_ci(*_per_question(all_logs[a], items), *_per_question(all_logs[b], items),
+                                  resamples=resamples, seed=seed)
+
+    # the paper's two numerics questions: deployed drafters against their float twins (X vs X@float),
+    # and the phone's head against the server's (hyco vs hyco-server-head)
+    twins = [(n.partition("@")[0], n) for n in all_logs if "@" in n and n.partition("@")[0] in all_logs]
+    if "hyco" in all_logs and "hyco-server-head" in all_logs:
+        twins.append(("hyco", "hyco-server-head"))
+    return {"baseline": base, "vs_baseline": {n: paired(n, base) for n in all_logs if n != base},
+            "pairs": [{"config": a, "against": b, **paired(a, b)} for a, b in twins]}
 
 
 def by_category(logs: list[DecodeLog], items: list[dict], keep, config: CheckConfig) -> dict[str, dict]:

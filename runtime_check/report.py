@@ -155,6 +155,11 @@ def _workload_lines(settings: dict[str, Any], results: dict[str, dict]) -> list[
                                 "ci95_percent": _ci(v["ci_percent"], 1), "questions": v["clusters"]}
                                for n, v in paired["vs_baseline"].items()],
                               ["config", "mat_vs_baseline_percent", "ci95_percent", "questions"])]
+    if paired.get("pairs"):
+        md += ["Deployed against float drafters, and the phone's MTP head against the server's (paired):", "",
+               markdown_table([{"config": v["config"], "against": v["against"], "mat_percent": round(v["percent"], 2),
+                                "ci95_percent": _ci(v["ci_percent"], 1), "questions": v["clusters"]}
+                               for v in paired["pairs"]], ["config", "against", "mat_percent", "ci95_percent", "questions"])]
     categories = list(next(iter(results.values()))["by_category"]) if results else []
     if len(categories) > 1:
         rows = [{"category": c, "questions": next(iter(results.values()))["by_category"][c]["questions"],

@@ -41,8 +41,14 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     if recipe.check.backend == "qnn":  # both drafters read the export bundle (graphs, LUTs, rope, io_spec)
         paths["convert"] = paths["qat"] = stage_dir(run_dir, "export") / "bundle"
     if recipe.check.backend == "onnxruntime":
-        paths["convert"] = stage_dir(run_dir, "convert")
-        paths["qat"] = stage_dir(run_dir, "qat")
+        from hyco.runtime.configs import decode_config
+
+        numerics = {decode_config(n, recipe.check).drafters for n in recipe.check.configs}
+        if "float" in numerics:
+            paths["convert"] = stage_dir(run_dir, "convert")
+            paths["qat"] = stage_dir(run_dir, "qat")
+        if "deployed" in numerics:
+            paths["bundle"] = stage_dir(run_dir, "export") / "bundle"
     return paths
 
 
@@ -59,4 +65,5 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
     return run_check(verifier=paths["verifier"], assistant=paths["assistant"], slm=paths["slm"],
                      tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
                      config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),
-                     qat_dir=paths.get("qat"), workload=paths.get("workload"), **phone_shapes(recipe))
+                     qat_dir=paths.get("qat"), bundle_dir=paths.get("bundle"), workload=paths.get("workload"),
+                     **phone_shapes(recipe))

@@ -705,7 +705,7 @@ def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):
 
     with pytest.raises(HycoError, match=r"needs the qat stage's graphs, but .*missing-qat/io_spec.json"):
         run_check(verifier=tmp_path, assistant=tmp_path, slm=tmp_path, tokenizer=tmp_path, vocab_dir=None,
-                  dataset=DatasetConfig(), config=CheckConfig(backend="onnxruntime", configs=("hyco",)),
+                  dataset=DatasetConfig(), config=CheckConfig(backend="onnxruntime", drafters="float", configs=("hyco",)),
                   out=tmp_path / "out", convert_dir=slm_graphs, qat_dir=tmp_path / "missing-qat",
                   **{k: getattr(GRAPH_PHONE, k) for k in ("ring_full", "ring_sliding", "max_prompt", "mtp_window",
                                                           "capture_point")})
@@ -837,7 +837,7 @@ def test_greedy_decode_on_onnxruntime_accepts_drafts_and_equals_generate(distill
     from hyco.runtime.mtp_onnx import MtpChainOnnx
     from hyco.runtime.slm_onnx import SlmOnnx
 
-    check = CheckConfig(temperature=0.0, backend="onnxruntime")
+    check = CheckConfig(temperature=0.0, backend="onnxruntime", drafters="float")
     cfg = decode_config(name, check)
     drafters = [build_drafter(cfg, check, GRAPH_PHONE, verifier=distilled["verifier"], head=distilled["assistant"],
                               slm=None, keep_ids=distilled_keep, convert_dir=distilled_graphs["convert"],

@@ -103,7 +103,9 @@ def test_check_via_run_and_one_config(tiny_family, tmp_path):
     ("missing verifier", {"models.verifier": "/nonexistent/verifier"}, "/nonexistent/verifier"),
     ("unknown config", {"check.configs": ["hyco", "medusa"]}, "supported: hyco, hyco-exact"),
     ("qnn backend", {"check.backend": "qnn"}, "QNN HTP"),
-    ("graphs not built", {"check.backend": "onnxruntime"}, "needs the convert stage's graphs"),
+    ("graphs not built", {"check.backend": "onnxruntime", "check.drafters": "float"}, "needs the convert stage's graphs"),
+    ("no bundle", {"check.backend": "onnxruntime"}, "check.drafters 'deployed' (hyco, hyco-exact, hyco-2p, specedge) runs"),
+    ("unknown numerics", {"check.configs": ["hyco@fp8"]}, "optionally @deployed or @float"),
 ])
 def test_bad_input_exits_2_without_a_partial_report(tiny_family, tmp_path, capsys, case, override, message):
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family)
@@ -149,7 +151,7 @@ def test_the_phone_shapes_come_from_convert_and_qat(tiny_family, tmp_path, capsy
 
 
 def test_onnxruntime_backend_needs_the_qat_graphs_too(tiny_family, tmp_path, capsys):
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, backend="onnxruntime")
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, backend="onnxruntime", drafters="float")
     (tmp_path / "run" / "convert").mkdir(parents=True)
     (tmp_path / "run" / "convert" / "io_spec.json").write_text("{}")  # convert ran; qat did not
     assert main(["check", "--recipe", str(recipe)]) == 2

@@ -12,12 +12,16 @@ the tiny recipe and the paper share one table:
 | specedge   | none                | 0 | -        | 4          | 32         | exact      |
 | specedge-eps | none              | 0 | -        | 4          | 32         | epsilon    |
 | cloud-mtp  | server, full vocab, whole prefix | 4 | - | 0     | 4          | exact      |
+| hyco-server-head | server, full vocab, whole prefix | 4 | 1-2 | 1 | 32       | epsilon    |
+
+`X@float` / `X@deployed`: configuration X with the phone's drafters on the other numerics
+(check.drafters; backend onnxruntime), so the report pairs X with its float twin.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hyco.errors import HycoError
 from hyco.recipe import CheckConfig
@@ -36,10 +40,12 @@ class DecodeConfig:
     rate: float
     slm_edge_cost: float  # added per SLM edge: ln(rate) in the hybrid tree, 0 in the SLM-only tree
     slm_topk: int  # children the SLM proposes under each node it expands
+    drafters: str = "deployed"  # the phone's numerics under backend onnxruntime (check.drafters)
 
 
-def _hybrid(check: CheckConfig, name: str, label: str, passes: int, epsilon: float) -> DecodeConfig:
-    return DecodeConfig(name, label, check.chain_depth, False, check.sibling_depths, passes, epsilon,
+def _hybrid(check: CheckConfig, name: str, label: str, passes: int, epsilon: float,
+            head_on_server: bool = False) -> DecodeConfig:
+    return DecodeConfig(name, label, check.chain_depth, head_on_server, check.sibling_depths, passes, epsilon,
                         check.budget, check.rate, math.log(check.rate), check.slm_topk)
 
 
@@ -58,10 +64,20 @@ CONFIGS = {
     "specedge-eps": lambda c: _slm_only(c, "specedge-eps", "SpecEdge-eps", c.epsilon),
     "cloud-mtp": lambda c: DecodeConfig("cloud-mtp", "Cloud+MTP", c.chain_depth, True, (), 0, 1.0,
                                         c.chain_depth, c.rate, 0.0, c.slm_topk),
+    # the paper's device head against its BF16 server head: the same hybrid tree, the head run by
+    # the server (float, full vocabulary, whole prefix), the SLM on the phone
+    "hyco-server-head": lambda c: _hybrid(c, "hyco-server-head", "HyCo, head on server", c.slm_passes, c.epsilon,
+                                          head_on_server=True),
 }
+NUMERICS = ("deployed", "float")
 
 
 def decode_config(name: str, check: CheckConfig) -> DecodeConfig:
-    if name not in CONFIGS:
-        raise HycoError(f"check.configs: unknown configuration {name!r} (supported: {', '.join(CONFIGS)})")
-    return CONFIGS[name](check)
+    base, _, numerics = name.partition("@")
+    if base not in CONFIGS or (numerics and numerics not in NUMERICS):
+        raise HycoError(f"check.configs: unknown configuration {name!r} (supported: {', '.join(CONFIGS)}, each "
+                        f"optionally @{' or @'.join(NUMERICS)})")
+    cfg = CONFIGS[base](check)
+    if not numerics:
+        return replace(cfg, drafters=check.drafters)
+    return replace(cfg, name=name, label=f"{cfg.label} ({numerics} drafters)", drafters=numerics)
