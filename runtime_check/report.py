@@ -163,10 +163,16 @@ def _workload_lines(settings: dict[str, Any], results: dict[str, dict]) -> list[
     categories = list(next(iter(results.values()))["by_category"]) if results else []
     if len(categories) > 1:
         rows = [{"category": c, "questions": next(iter(results.values()))["by_category"][c]["questions"],
-                 **{n: f"{r['by_category'][c]['mat']:.2f} ({_ci(r['by_category'][c]['mat_ci'])})" for n, r in results.items()}}
+                 **{n: _mat_with_ci(r["by_category"][c]) for n, r in results.items()}}
                 for c in categories]
-        md += ["MAT per category (95% interval):", "", markdown_table(rows, ["category", "questions", *results])]
+        md += ["MAT per category (95% interval; none for a category of one question):", "",
+               markdown_table(rows, ["category", "questions", *results])]
     return md
+
+
+def _mat_with_ci(figures: dict) -> str:
+    mat = f"{figures['mat']:.2f}"
+    return f"{mat} ({_ci(figures['mat_ci'])})" if figures["questions"] > 1 else mat
 
 
 def _blank(value):

@@ -238,7 +238,8 @@ def softcap_fault_copy(bundle, out, graph: str = "prefill"):
     with the softcap written back as the HTP computes it wrong: Mul(Tanh(u), c) on Tanh's fixed
     uint16 grid (1/32768, zero point 32768) in place of calibrate's 2c sigmoid(2u) - c. The same
     function on the CPU, so the reference stays right and only the binary is faulty: at 16 rows
-    (the tiny prefill chunk) the HTP's Tanh computes rows 2-15 thousands of codes wrong."""
+    (the tiny prefill chunk) the HTP's Tanh computes rows 2-15 thousands of codes wrong. On the
+    main job's bundle smoke then measured 8.2 nats on prefill (bound 0.36), top-1 on 15% of rows."""
     import json
     import shutil
 
@@ -311,7 +312,7 @@ def test_smoke_fails_on_a_bundle_compiled_with_the_softcap_fault(smoked, tiny_ex
 # One activation at twice its scale, as a wrong encoding or kernel would leave it. Measured on the
 # main job's bundle (graph bounds tree 0.35-0.40 / prefill 0.36 nats, K/V 7-8 steps; a pass's own
 # bound up to twice its perturbation, 0.45-0.94; the HTP itself 0.10-0.13 nats and 2 steps): the
-# softcap's Tanh (the fault issue 37 met) 2.5 nats off, top-1 on 52% of rows; prefill's layer-3
+# softcap's Sigmoid output 3.1 nats off (its Tanh, before calibrate rewrote it, 2.5); prefill's layer-3
 # value projection: log-probs within 0.31 nats but its K/V rows 42 steps off; layer 4's gate
 # projection 0.53 nats; layer 2's output projection 0.99 nats and K/V 26 steps. (Layer 1's up
 # projection sits at the edge: 0.29 nats, K/V 14 steps against pass bounds of 12-16.)
