@@ -126,9 +126,14 @@ def head_output_ranges(encodings: Path) -> dict[str, list[float]]:
     statistic the variant's confidence is (logit_scale moves it)."""
     if not encodings.is_file():
         return {}
-    graphs = json.loads(encodings.read_text())["graphs"]
-    return {name: [round(e["min"], 1), round(e["max"], 1)] for name, g in graphs.items()
-            for e in g["activation_encodings"] if e["name"] == "/output/head/MatMul_output_0"}
+    ranges = {}
+    for name, g in json.loads(encodings.read_text())["graphs"].items():
+        found = {e["name"]: [round(e["min"], 1), round(e["max"], 1)] for e in g["activation_encodings"]}
+        # with the softcap off the head's product is the logits themselves
+        head = found.get("/output/head/MatMul_output_0") or found.get("logits_QuantizeLinear_Input")
+        if head:
+            ranges[name] = head
+    return ranges
 
 
 @pytest.mark.slow
