@@ -143,8 +143,11 @@ def test_a_run_that_inherited_sigint_ignored_keeps_it_and_stops_on_sigterm(tmp_p
     on the terminal reaches only the foreground job, as nohup does); SIGTERM stops such a run
     cleanly, with the usual line and nothing half-written."""
     out = tmp_path / "run"
+    # vocab counts 20,000 conversations (the real recipe's; ~10x the tiny one's 4 s here), so the
+    # stage is still running when the signals come: a run that ended first dies on SIGTERM's
+    # default action after the CLI has put it back, which would say nothing about the CLI
     args = [PYTHON, "-m", "hyco.cli", "run", str(RECIPE), "--out", str(out),
-            *set_args(["fixtures.distill=false", "stages=[fixtures,vocab]"])]
+            *set_args(["fixtures.distill=false", "stages=[fixtures,vocab]", "vocab.count_conversations=20000"])]
     proc = subprocess.Popen(args, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -156,11 +159,12 @@ def test_a_run_that_inherited_sigint_ignored_keeps_it_and_stops_on_sigterm(tmp_p
         time.sleep(1.5)
         assert proc.poll() is None, "the run stopped on a SIGINT it had inherited as ignored"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        rest, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert "[vocab] built" not in rest, f"vocab finished before the signals (make the stage longer): {rest[-1000:]}"
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert _one_line(err, "hyco-convert run:") == "hyco-convert run: interrupted (SIGTERM); no partial artifact was kept"
     assert not (out / "vocab").exists() and not _leftovers(out)
