@@ -290,6 +290,7 @@ class CheckConfig:
     configs: tuple[str, ...] = ("hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp")
     workload: WorkloadConfig = WorkloadConfig()
     bootstrap_resamples: int = 2000  # question-level bootstrap of MAT and paired MAT differences
+    runs: int = 1  # sampling runs, each with its own seed: MAT is their mean, with their SD
     prompts: int = 60
     max_new_tokens: int = 256
     backend: Literal["torch", "onnxruntime", "qnn"] = "torch"
@@ -323,6 +324,7 @@ class CheckConfig:
         _require(self.slm_topk >= 1, f"check.slm_topk must be >= 1, but got {self.slm_topk}")
         _require(self.specedge_passes >= 1, f"check.specedge_passes must be >= 1, but got {self.specedge_passes}")
         _require(self.threads >= 0, f"check.threads must be >= 0, but got {self.threads}")
+        _require(self.runs >= 1, f"check.runs must be >= 1, but got {self.runs}")
         _require(self.bootstrap_resamples >= 100,
                  f"check.bootstrap_resamples must be >= 100, but got {self.bootstrap_resamples}")
         _require(self.prompts >= 1 and self.max_new_tokens >= 1,

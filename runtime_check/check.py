@@ -7,7 +7,7 @@ caches, and prompt i uses the same seed under every configuration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,9 @@ class PhoneShapes:
             raise HycoError(f"convert.ring_sliding must be in [1, convert.ring_full], and convert.max_prompt and "
                             f"qat.window >= 1, but got {self.ring_sliding}, {self.ring_full}, {self.max_prompt}, "
                             f"{self.mtp_window}")
+
+
+RUN_SEED_STEP = 1000  # check.runs: run r samples with seed check.seed + 1000 r
 
 
 def phone_mtp(cfg: DecodeConfig) -> bool:
@@ -275,43 +278,71 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
     if config.workload.schema == "chat":
         candidates = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
-        # every candidate's reference text (the verifier alone, keyed sampling): the prompts are chosen
-        # by its statistics, and exact verification must commit exactly it
-        mine = my_positions(len(candidates))
-        references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
-                                                  keyed_seed(config, i), eos))
-                               for i in progress(mine, desc="reference texts", leave=False)],
-                              len(candidates), "check (reference texts)")
-        selection = choose_prompts(candidates, [t for t, _ in references], count)
-        chosen = [r["candidate"] for r in selection if r["chosen"]]
-        prompt_ids, reference = [candidates[i] for i in chosen], [references[i] for i in chosen]
-        seeds = [keyed_seed(config, i) for i in chosen]
-        items = [{"question_id": str(i), "category": "chat", "turn": 1} for i in chosen]
     else:
         if workload is None:
             raise HycoError(f"check.workload.schema {config.workload.schema!r} needs check.workload.source (the file)")
         questions = read_workload(workload, config.workload.schema)[:count]
-        prompt_ids, reference, items = workload_prompts(questions, tok, verifier_model, config, sampling, eos)
-        seeds = [keyed_seed(config, i) for i in range(len(prompt_ids))]
-        selection = [{**item, "prompt_tokens": len(ids), **text_stats([ref])}
-                     for item, ids, (ref, _) in zip(items, prompt_ids, reference, strict=True)]
+    # Each run samples with its own seed (check.runs); the chat prompts are chosen once, on the first
+    # run's reference texts. A file workload's second turns follow each run's own first answers.
+    runs, selection = [], None
+    for r in range(config.runs):
+        run_config = replace(config, seed=config.seed + RUN_SEED_STEP * r)
+        if config.workload.schema == "chat":
+            if selection is None:
+                # every candidate's reference text (the verifier alone, keyed sampling): the prompts are
+                # chosen by its statistics, and exact verification must commit exactly it
+                mine = my_positions(len(candidates))
+                references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
+                                                          keyed_seed(run_config, i), eos))
+                                       for i in progress(mine, desc="reference texts", leave=False)],
+                                      len(candidates), "check (reference texts)")
+                selection = choose_prompts(candidates, [t for t, _ in references], count)
+                chosen = [row["candidate"] for row in selection if row["chosen"]]
+                reference = [references[i] for i in chosen]
+            else:
+                mine = my_positions(len(chosen))
+                reference = in_order([(j, keyed_generate(verifier_model, candidates[chosen[j]], config.max_new_tokens,
+                                                         sampling, keyed_seed(run_config, chosen[j]), eos))
+                                      for j in progress(mine, desc=f"reference texts, run {r + 1}", leave=False)],
+                                     len(chosen), "check (reference texts)")
+            prompt_ids = [candidates[i] for i in chosen]
+            seeds = [keyed_seed(run_config, i) for i in chosen]
+            items = [{"question_id": str(i), "category": "chat", "turn": 1} for i in chosen]
+        else:
+            prompt_ids, reference, items = workload_prompts(questions, tok, verifier_model, run_config, sampling, eos)
+            seeds = [keyed_seed(run_config, i) for i in range(len(prompt_ids))]
+            if selection is None:
+                selection = [{**item, "prompt_tokens": len(ids), **text_stats([ref])}
+                             for item, ids, (ref, _) in zip(items, prompt_ids, reference, strict=True)]
+        runs.append((run_config, prompt_ids, reference, items, seeds))
+    pooled_items = [it for run in runs for it in run[3]]  # a question's runs cluster with it
+    keep = None if keep_ids is None else keep_ids.numpy()
     results, lossless, all_logs = {}, {}, {}
     for cfg in progress(decode_configs, desc="configurations"):
         run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
                    max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
-        logs = decode_all(prompt_ids, cfg, config, phone, seeds=seeds, **run)
-        keep = None if keep_ids is None else keep_ids.numpy()
+        per_run = [decode_all(ids, cfg, run_config, phone, seeds=seeds, **run)
+                   for run_config, ids, _, _, seeds in runs]
+        logs = [log for logs in per_run for log in logs]
+        mats = [summarize(logs, keep, config.chain_depth)["mat"] for logs in per_run]
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
                              "mtp_depth": cfg.mtp_depth, **summarize(logs, keep, config.chain_depth),
-                             "mat_ci": mat_ci(logs, items, config.bootstrap_resamples, config.seed),
-                             "by_category": by_category(logs, items, keep, config)}
+                             # MAT is the mean over runs (one run: its MAT), with the runs' SD
+                             "mat": float(np.mean(mats)), "mat_runs": mats,
+                             "mat_sd_runs": float(np.std(mats, ddof=1)) if len(mats) > 1 else None,
+                             "mat_ci": mat_ci(logs, pooled_items, config.bootstrap_resamples, config.seed),
+                             "by_category": by_category(logs, pooled_items, keep, config)}
         all_logs[cfg.name] = logs
         if cfg.epsilon >= 1.0:
             # Evidence for "exact verification is lossless": with each token sampled keyed by its
             # position, the rounds must commit exactly the verifier's own text (`keyed_generate`).
-            lossless[cfg.name] = {**compare_with_generate(logs, reference),
-                                  "accepted_draft_tokens": sum(len(r.accepted_sources) for g in logs
-                                                               for r in g.rounds)}
+            verdicts = [compare_with_generate(logs, reference) for logs, (_, _, reference, _, _) in zip(per_run, runs, strict=True)]
+            lossless[cfg.name] = {**verdicts[0], "equal": all(v["equal"] for v in verdicts), "runs": len(verdicts),
+                                  "prompts": sum(v["prompts"] for v in verdicts),
+                                  "tokens_compared": sum(v["tokens_compared"] for v in verdicts),
+                                  "first_divergence": next((v["first_divergence"] for v in verdicts if not v["equal"]), None),
+                                  "accepted_draft_tokens": sum(len(r.accepted_sources) for g in logs for r in g.rounds)}
+    _, prompt_ids, reference, items, _ = runs[0]
     graphs = config.backend == "onnxruntime"
     backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
                 "mtp": "onnxruntime (qat/ mtp_step.onnx, INT4)" if graphs else "torch float (qat/mtp.py)",
@@ -323,7 +354,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     if config.backend == "qnn":
         backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
                         mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
-    paired = paired_mats(all_logs, items, config.bootstrap_resamples, config.seed)
+    paired = paired_mats(all_logs, pooled_items, config.bootstrap_resamples, config.seed)
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
                 "workload": workload_stats(config, workload, items, [t for t, _ in reference]), "paired_mat": paired,
                 "prompt_selection": selection,

@@ -11,7 +11,7 @@ from hyco.artifacts import StageEnd, finish_stage, markdown_table
 # the fixture's models are tiny distilled stand-ins, so their MATs are not comparable with these.
 PAPER_MAT = {"cloud-mtp": 3.05, "specedge": 3.53, "specedge-eps": 4.13, "hyco": 4.71, "hyco-2p": 5.27, "hyco-exact": 3.84}
 
-COLUMNS = ["config", "label", "rule", "mat", "mat_ci95", "tokens_ge_eps_row", "top_p_row", "unsampled_share", "chain_k1",
+COLUMNS = ["config", "label", "rule", "mat", "mat_ci95", "mat_sd_runs", "tokens_ge_eps_row", "top_p_row", "unsampled_share", "chain_k1",
            "chain_kK", "share_chain", "share_sibling", "share_slm", "bonus_outside_keep", "handoff_B_round",
            "kv_B_token", "tree_B_round", "passes_per_token", "draft_ms_round", "output_tokens"]
 
@@ -44,7 +44,8 @@ def summary_markdown(report: dict[str, Any]) -> str:
           f"top-k {settings['check']['top_k']}, top-p {settings['check']['top_p']}; keep set "
           f"{settings['keep_set'] or 'none (full vocabulary)'} of {settings['vocab_size']}.", "",
           markdown_table(rows, COLUMNS),
-          "MAT: tokens committed per round (accepted + bonus), up to and including the first EOS. "
+          "MAT: tokens committed per round (accepted + bonus), up to and including the first EOS; with "
+          "check.runs above 1 the mean of the runs' MATs (each its own sampling seed), mat_sd_runs their SD. "
           f"tokens_ge_eps_row: mean count of tokens with p~ >= {epsilon:g} (check.epsilon) per tree row, i.e. how "
           "many tokens the epsilon rule would accept at a node (the paper's rule assumes a handful); top_p_row: "
           "mean top probability of p~ per row; unsampled_share: share of committed tokens the verifier did not "
@@ -120,7 +121,7 @@ def _row(name: str, r: dict) -> dict:
     share = r["accepted_share_by_source"]
     return {
         "config": name, "label": r["label"], "rule": "exact" if r["epsilon"] >= 1 else f"eps={r['epsilon']:g}",
-        "mat": r["mat"], "mat_ci95": _ci(r["mat_ci"]["ci"]), "tokens_ge_eps_row": r["tokens_at_epsilon_per_row"], "top_p_row": r["top_probability_per_row"],
+        "mat": r["mat"], "mat_ci95": _ci(r["mat_ci"]["ci"]), "mat_sd_runs": _blank(r.get("mat_sd_runs")), "tokens_ge_eps_row": r["tokens_at_epsilon_per_row"], "top_p_row": r["top_probability_per_row"],
         "unsampled_share": r["committed_unsampled_share"], "chain_k1": chain[0] if chain else "",
         "chain_kK": chain[-1] if chain else "", "share_chain": share["chain"], "share_sibling": share["sibling"],
         "share_slm": share["slm"], "bonus_outside_keep": r["bonus_outside_keep_share"],

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -206,3 +207,18 @@ def test_a_bad_spec_bench_line_stops_check_with_file_and_line(tiny_family, tmp_p
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, workload={"schema": "spec-bench"})
     assert main(["check", "--recipe", str(recipe)]) == 2
     assert "check.workload.source names the file" in capsys.readouterr().err
+
+
+def test_several_runs_give_the_mean_mat_and_its_sd_and_each_run_stays_lossless(tiny_family, tmp_path):
+    """`check.runs: 3`: each run samples with its own seed (the verifier's own text differs run to
+    run), MAT is the mean of the runs' MATs with their SD, and exact verification commits each
+    run's own reference text."""
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, configs=["cloud-mtp"], prompts=1, runs=3)
+    assert main(["check", "--recipe", str(recipe)]) == 0
+    report = json.loads((tmp_path / "run" / "check" / "report.json").read_text())
+    r = report["configs"]["cloud-mtp"]
+    assert len(r["mat_runs"]) == 3 and r["mat"] == pytest.approx(sum(r["mat_runs"]) / 3)
+    assert r["mat_sd_runs"] == pytest.approx(float(np.std(r["mat_runs"], ddof=1)))
+    v = report["lossless"]["cloud-mtp"]
+    assert v["equal"] and v["runs"] == 3 and v["prompts"] == 3
+    assert r["mat_ci"]["clusters"] == 1  # one question, its three runs resampled together
