@@ -284,27 +284,26 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
         questions = read_workload(workload, config.workload.schema)[:count]
     # Each run samples with its own seed (check.runs); the chat prompts are chosen once, on the first
     # run's reference texts. A file workload's second turns follow each run's own first answers.
+    def references_of(indices: list[int], run_config: CheckConfig, desc: str) -> list:
+        """The candidates' reference texts (the verifier alone, keyed sampling), split over processes."""
+        mine = my_positions(len(indices))
+        return in_order([(j, keyed_generate(verifier_model, candidates[indices[j]], config.max_new_tokens, sampling,
+                                            keyed_seed(run_config, indices[j]), eos))
+                         for j in progress(mine, desc=desc, leave=False)], len(indices), "check (reference texts)")
+
     runs, selection = [], None
     for r in range(config.runs):
         run_config = replace(config, seed=config.seed + RUN_SEED_STEP * r)
         if config.workload.schema == "chat":
             if selection is None:
-                # every candidate's reference text (the verifier alone, keyed sampling): the prompts are
-                # chosen by its statistics, and exact verification must commit exactly it
-                mine = my_positions(len(candidates))
-                references = in_order([(i, keyed_generate(verifier_model, candidates[i], config.max_new_tokens, sampling,
-                                                          keyed_seed(run_config, i), eos))
-                                       for i in progress(mine, desc="reference texts", leave=False)],
-                                      len(candidates), "check (reference texts)")
+                # every candidate's reference text: the prompts are chosen by its statistics, and
+                # exact verification must commit exactly it
+                references = references_of(list(range(len(candidates))), run_config, "reference texts")
                 selection = choose_prompts(candidates, [t for t, _ in references], count)
                 chosen = [row["candidate"] for row in selection if row["chosen"]]
                 reference = [references[i] for i in chosen]
             else:
-                mine = my_positions(len(chosen))
-                reference = in_order([(j, keyed_generate(verifier_model, candidates[chosen[j]], config.max_new_tokens,
-                                                         sampling, keyed_seed(run_config, chosen[j]), eos))
-                                      for j in progress(mine, desc=f"reference texts, run {r + 1}", leave=False)],
-                                     len(chosen), "check (reference texts)")
+                reference = references_of(chosen, run_config, f"reference texts, run {r + 1}")
             prompt_ids = [candidates[i] for i in chosen]
             seeds = [keyed_seed(run_config, i) for i in chosen]
             items = [{"question_id": str(i), "category": "chat", "turn": 1} for i in chosen]
