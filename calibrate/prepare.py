@@ -274,14 +274,7 @@ def gelu_tanh_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
                          helper.make_node("Sigmoid", [doubled], [sig], name=sig),
                          helper.make_node("Mul", [sig, two], [base], name=base + "_x2")]
         drop.add(t.output[0])
-    out = []
-    for node in graph.node:
-        if node.output[0] in drop:
-            continue
-        out.extend(replace.get(node.output[0], [node]))
-    del graph.node[:]
-    graph.node.extend(out)
-    _prune_initializers(graph)
+    _splice(graph, replace, drop)
     return model
 
 
@@ -353,6 +346,19 @@ def _prune_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
+def _splice(graph: onnx.GraphProto, replace: dict[str, list[onnx.NodeProto]], drop: set[str]) -> None:
+    """Each node whose output is in `replace` becomes those nodes, in its place (so the order stays
+    topological); nodes whose output is in `drop` go; unused initializers too."""
+    out = []
+    for node in graph.node:
+        if node.output[0] in drop:
+            continue
+        out.extend(replace.get(node.output[0], [node]))
+    del graph.node[:]
+    graph.node.extend(out)
+    _prune_initializers(graph)
+
+
 def softcap_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
     """Mul(Tanh(u), c) with c a constant whose entries all equal one number (the softcap, which
     convert writes as a vector) -> Sub(Mul(Sigmoid(Mul(u, 2)), 2c), c): c tanh(u) as
@@ -388,14 +394,7 @@ def softcap_as_sigmoid(model: onnx.ModelProto) -> onnx.ModelProto:
                          helper.make_node("Mul", [sig, names["two_c"]], [scaled], name=scaled),
                          helper.make_node("Sub", [scaled, names["c"]], [base], name=base + "_minus_c")]
         drop.add(t.output[0])
-    out = []
-    for node in graph.node:
-        if node.output[0] in drop:
-            continue
-        out.extend(replace.get(node.output[0], [node]))
-    del graph.node[:]
-    graph.node.extend(out)
-    _prune_initializers(graph)
+    _splice(graph, replace, drop)
     return model
 
 
