@@ -139,6 +139,39 @@ def tensor_losses(ref_model, q_model, layer: str | None, feeds: list[dict], tmp:
     return sorted(rows, key=lambda r: r["grid_sqnr_db"] if r["grid_sqnr_db"] is not None else math.inf)
 
 
+SRQ_MIN_CODES = 32  # fewer int8 codes than a 5-bit grid: the checkpoint's SRQ, not our grids, is coarse
+
+
+def srq_code_spans(q_model) -> list[dict[str, Any]]:
+    """The checkpoint's int8 output quantizers (SRQ: a QuantizeLinear of int8 zero point in the
+    float graph, kept in the QDQ graph) with how many of their codes the calibration passes span:
+    the 16-bit min/max grid of the SRQ's input divided by the SRQ's step. Fewest first.
+
+    Why: an SRQ the checkpoint fitted to its outputs spans ~170-210 codes (the tiny family; its
+    writer fits 1.2 x absmax to 127). One that spans ~15 (down_proj's SRQ of an SLM whose weight
+    scales were multiplied by 0.3 and its SRQ scales with them, while the gated MLP's output shrank
+    as 0.3^3) turns the 8-bit KV's ~1% error into whole-code flips worth half a value: the
+    deployed graph then measures 18 dB against float with every 16-bit grid of the layer at 37 dB
+    or better on its own, and no activation grid can fix it, because the float graph rounds there
+    too."""
+    from onnx import TensorProto, numpy_helper
+
+    inits = {t.name: t for t in q_model.graph.initializer}
+    producer = {o: n for n in q_model.graph.node for o in n.output}
+    spans = []
+    for n in q_model.graph.node:
+        zero = inits.get(n.input[2]) if n.op_type == "QuantizeLinear" and len(n.input) > 2 else None
+        grid = producer.get(n.input[0])
+        if zero is None or zero.data_type != TensorProto.INT8 or grid is None or grid.op_type != "DequantizeLinear":
+            continue
+        z = numpy_helper.to_array(inits[grid.input[2]])
+        info = np.iinfo(z.dtype)
+        width = (info.max - info.min) * float(numpy_helper.to_array(inits[grid.input[1]]))
+        source = producer.get(grid.input[0])  # the QuantizeLinear of the 16-bit grid: its input is the op's output
+        spans.append({"tensor": source.input[0] if source is not None else n.input[0], "codes": round(width / float(numpy_helper.to_array(inits[n.input[1]])), 1)})
+    return sorted(spans, key=lambda r: r["codes"])
+
+
 def top_margin(logprobs: np.ndarray) -> np.ndarray:
     """The float graph's top-1 minus top-2 log-prob per row: how close a row is to a tie."""
     part = np.partition(logprobs, -2, axis=-1)

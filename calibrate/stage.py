@@ -700,17 +700,18 @@ def fidelity_floor(convert: Path, out: Path, tmp: Path, fidelity: dict, config: 
 
     verdicts = {}
     for g, v in fidelity["graphs"].items():
+        parity = onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False)
         worst = v["worst_layers"][0] if v["worst_layers"] else None
         kl_ok = config.max_kl is None or v["kl"] <= config.max_kl
         db_ok = config.min_sqnr_db is None or worst is None or worst["sqnr_db"] >= config.min_sqnr_db
         verdict = {"max_kl": config.max_kl, "min_sqnr_db": config.min_sqnr_db, "kl": v["kl"],
-                   "worst_layer": worst, "passed": kl_ok and db_ok, "kl_ok": kl_ok, "sqnr_ok": db_ok}
+                   "worst_layer": worst, "passed": kl_ok and db_ok, "kl_ok": kl_ok, "sqnr_ok": db_ok,
+                   "srq_fewest_codes": evaluate.srq_code_spans(parity)[:3]}
         if not verdict["passed"]:
             ref, weights = ((tmp / "mtp.prepared.onnx", None) if g == "mtp"
                             else (convert / SLM_GRAPHS[g], convert))
             verdict["worst_tensors"] = evaluate.tensor_losses(
-                onnx.load(str(ref), load_external_data=weights is None),
-                onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False), worst and worst["layer"],
+                onnx.load(str(ref), load_external_data=weights is None), parity, worst and worst["layer"],
                 fidelity["htp_feeds"][g][:3], tmp, f"floor_{g}", weights=(weights, out))[:5]
         verdicts[g] = verdict
     return verdicts
@@ -730,6 +731,13 @@ def floor_failure(g: str, f: dict[str, Any]) -> str:
         t = tensors[0]
         grid = f"its own grid {t['grid_sqnr_db']:.1f} dB, " if t["grid_sqnr_db"] is not None else ""
         where += f"; worst tensor: {t['tensor']} ({t['op']}, {grid}{t['sqnr_db']:.1f} dB against float)"
+    from hyco.calibrate.evaluate import SRQ_MIN_CODES
+
+    coarse = [s for s in f.get("srq_fewest_codes") or [] if s["codes"] < SRQ_MIN_CODES]
+    if coarse:
+        where += (f"; the checkpoint's own int8 output quantizer (SRQ) at {coarse[0]['tensor']} spans "
+                  f"{coarse[0]['codes']:.0f} of its 255 codes on the calibration passes: upstream noise flips whole "
+                  f"codes there, in the float graph's rounding (a quantization-aware-trained SRQ spans most of them)")
     return f"{g}: below the fidelity floor: {' and '.join(said)} ({where})"
 
 

@@ -87,3 +87,33 @@ def test_calibrate_refuses_a_graph_quantized_on_a_bad_grid(tiny_calibrated, tmp_
     assert not out.exists()
     ladder = json.loads((run / "calibrate" / "report.json").read_text())  # the same inputs at 16 bits, no floor
     assert ladder["fidelity_floor"]["max_kl"] is None
+
+
+def _srq_graph(span: float) -> onnx.ModelProto:
+    """x -> 16-bit Q/DQ on [-span/2, span/2] (a calibrated min/max grid) -> the checkpoint's int8
+    SRQ Q/DQ of step 1 -> y: the SRQ's input spans `span` of its codes."""
+    s16 = span / 65535
+    inits = [numpy_helper.from_array(np.array(s16, np.float32), "s16"), numpy_helper.from_array(np.array(32768, np.uint16), "z16"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "s8"), numpy_helper.from_array(np.array(0, np.int8), "z8")]
+    nodes = [helper.make_node("Mul", ["x", "s8"], ["/layers.0/down/MatMul_output_0"]),
+             helper.make_node("QuantizeLinear", ["/layers.0/down/MatMul_output_0", "s16", "z16"], ["q16"]),
+             helper.make_node("DequantizeLinear", ["q16", "s16", "z16"], ["dq16"]),
+             helper.make_node("QuantizeLinear", ["dq16", "s8", "z8"], ["q8"]),
+             helper.make_node("DequantizeLinear", ["q8", "s8", "z8"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_an_srq_that_spans_few_of_its_codes_is_found_and_named_in_the_floors_message():
+    from hyco.calibrate.evaluate import SRQ_MIN_CODES, srq_code_spans
+
+    spans = srq_code_spans(_srq_graph(15.0))
+    assert spans == [{"tensor": "/layers.0/down/MatMul_output_0", "codes": 15.0}], spans
+    assert srq_code_spans(_srq_graph(200.0))[0]["codes"] == 200.0
+    assert srq_code_spans(_layer_graph("/layers.0/a_out")) == []  # an int8 Q/DQ on a float input: no 16-bit grid, not an SRQ here
+    row = _row(0.002, 18.3)["fidelity_floor"]
+    said = "int8 output quantizer (SRQ) at /layers.0/down/MatMul_output_0 spans 15 of its 255 codes"
+    assert said in floor_failure("g", {**row, "srq_fewest_codes": spans})
+    fitted = [{"tensor": "/layers.0/down/MatMul_output_0", "codes": float(SRQ_MIN_CODES)}]
+    assert "SRQ" not in floor_failure("g", {**row, "srq_fewest_codes": fitted})

@@ -2,7 +2,8 @@
 vocab, answers, convert, qat, calibrate (with the HTP checks) and export (with smoke), CI-sized.
 
 A trained SLM at another shape (6 layers of width 96, 3 heads of 32, a full layer every third)
-comes first; around it: weights at 0.3x and 3x with spread norms, an output layer 4x as confident.
+comes first; around it: weights at 0.3x (their SRQ scales scaled with them, and fitted again) and
+3x with spread norms, an output layer 4x as confident.
 `HYCO_SWEEP=all` adds a second trained SLM (width 128, 4 heads, a full layer every second, another
 seed), weights at 5x and 0.5x, another seed of the spread, output layers 0.25x and 8x (logits to
 about +-60 with the softcap off), the softcap off. Each run keeps its artifacts whatever its proofs say
@@ -12,7 +13,8 @@ about +-60 with the softcap off), the softcap off. Each run keeps its artifacts 
 - every other variant either does the same, or calibrate refuses it (the floor's or the
   op-by-op proof's message): no variant leaves calibrate unfaithful by the floor unremarked;
 - no bundle with a graph the HTP computes wrong (an op beyond tolerance) passes smoke.
-Each variant's row (op-by-op worst codes, KL, worst layer, top-1, bounds, smoke) is printed and
+Each variant's row (op-by-op worst codes, KL, worst layer, top-1, the fewest codes an SRQ spans,
+bounds, smoke) is printed and
 written beside the runs (sweep.json); the table of the last full run is in the closing note of
 issue 37.
 """
@@ -38,10 +40,11 @@ SHAPES = {  # both unlike the fixture (7 layers of 64, 4 heads of 16, a full lay
 TRAIN_STEPS = 150  # ~2 min here; loss 8.7 -> ~5.6
 TRAINED = {"trained": ("a", 0), "trained-b-seed1": ("b", 1)}  # name: (shape, seed)
 # name: (the trained SLM it starts from, `vary`'s changes, vary's seed[, recipe settings]). CI runs
-# the first four (about 1.5 min each here); HYCO_SWEEP=all runs every one (the closing note's table).
+# the first five (about 1.5 min each here); HYCO_SWEEP=all runs every one (the closing note's table).
 VARIANTS = {
     "trained": ("trained", {}, 0),
-    "weights-0.3x": ("trained", {"weight_gain": 0.3}, 1),
+    "weights-0.3x": ("trained", {"weight_gain": 0.3}, 1),  # SRQ scaled with the weights: refused (its SRQ)
+    "weights-0.3x-srq-fit": ("trained", {"weight_gain": 0.3, "srq": "refit"}, 1),  # the same, SRQ fitted again
     "weights-3x-spread": ("trained", {"weight_gain": 3.0, "norm_spread": 0.3}, 1),
     "confident-4x": ("trained", {"logit_scale": 4.0}, 1),
     "trained-b-seed1": ("trained-b-seed1", {}, 0),
@@ -53,7 +56,7 @@ VARIANTS = {
     "b-confident-4x": ("trained-b-seed1", {"logit_scale": 4.0}, 1),
     "b-weights-0.5x-spread": ("trained-b-seed1", {"weight_gain": 0.5, "norm_spread": 0.3}, 1),
 }
-RUN = list(VARIANTS) if os.environ.get("HYCO_SWEEP") == "all" else list(VARIANTS)[:4]
+RUN = list(VARIANTS) if os.environ.get("HYCO_SWEEP") == "all" else list(VARIANTS)[:5]
 SIZES = ["vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
          "vocab.reserved_eval=4", "convert.parity=false", "qat.steps=2", "qat.calibration_sequences=1",
          "answers.max_new_tokens_train=24", "answers.max_new_tokens_eval=24", "calibrate.prompts=4",
@@ -109,7 +112,8 @@ def run_variant(family: dict[str, Path], slm: Path, out: Path, shared: Path, ext
         sim = g["htp"].get("simulator_vs_cpu") or {}
         graphs[name] = {"top1": round(g["top1_agreement"], 4), "kl": round(g["kl"], 5),
                         "worst_layer_db": round(g["worst_layers"][0]["sqnr_db"], 1) if g["worst_layers"] else None,
-                        "floor_passed": g["fidelity_floor"]["passed"], "ops_within": ops.get("within_tolerance"),
+                        "floor_passed": g["fidelity_floor"]["passed"],
+                        "srq_fewest_codes": min([s["codes"] for s in g["fidelity_floor"]["srq_fewest_codes"]], default=None), "ops_within": ops.get("within_tolerance"),
                         "worst_op": worst[0], "worst_codes": worst[1].get("max_codes"),
                         "beyond": [b["tensor"] for b in ops.get("beyond_tolerance", [])][:2],
                         "htp_vs_cpu": sim.get("max_abs_logprob_diff"), "bound": g["htp_logprob_bound"],

@@ -55,10 +55,14 @@ def train_slm(family: dict[str, Path], out: Path, *, shape: dict, steps: int, se
 
 
 def vary(src: Path, dst: Path, *, seed: int = 0, weight_gain: float = 1.0, norm_spread: float = 0.0,
-         logit_scale: float = 1.0, softcap: float | None | str = "keep") -> Path:
+         logit_scale: float = 1.0, softcap: float | None | str = "keep", srq: str = "scale") -> Path:
     """`src` rewritten into `dst`: every text-model norm weight x (1 + norm_spread x randn), every
-    decoder linear's weight scale and output SRQ scale x `weight_gain` (its codes keep their range),
-    the final norm's weight x `logit_scale`, the softcap set (None: off) unless "keep"."""
+    decoder linear's weight scale x `weight_gain` (its codes keep their range), the final norm's
+    weight x `logit_scale`, the softcap set (None: off) unless "keep". The SRQ scales: "scale":
+    the output SRQ scales x `weight_gain` as well, the input ones kept (what a checkpoint edited
+    without retraining would hold: down_proj's output, which shrinks as gain^3 through the gated
+    MLP, then uses a few of its 255 codes); "refit": every SRQ scale measured again on the varied
+    model (`refit_srq`), as quantization-aware training would have fitted it."""
     g = torch.Generator().manual_seed(seed)
     dst.mkdir(parents=True)
     for shard in sorted(src.glob("*.safetensors")):
@@ -82,7 +86,49 @@ def vary(src: Path, dst: Path, *, seed: int = 0, weight_gain: float = 1.0, norm_
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json":
             (shutil.copytree if f.is_dir() else shutil.copy)(f, dst / f.name)
+    if srq == "refit":
+        refit_srq(dst)
     return dst
+
+
+SRQ = (".input_activation_scale", ".output_activation_scale")
+
+
+def refit_srq(folder: Path) -> None:
+    """Every nonzero SRQ scale of the SLM in `folder` set again as the fixture writer sets it
+    (`hyco.fixtures.slm.calibrate`: SRQ_MARGIN x absmax / 127 of the linear's input or output, SRQ
+    off, on the same corpus text), measured through transformers' own loader of the QAT format."""
+    from hyco.fixtures.presets import get_preset
+    from hyco.fixtures.slm import INT8_MAX, SRQ_MARGIN
+    from hyco.fixtures.tokenizer import read_training_text
+    from hyco.fixtures.writer import DATASET, calibration_ids
+    from hyco.loading import load_pretrained
+
+    shards = {shard: load_file(str(shard)) for shard in sorted(folder.glob("*.safetensors"))}
+    fitted = {name for tensors in shards.values() for name, t in tensors.items()
+              if name.endswith(SRQ) and float(t) != 0.0}
+    for shard, tensors in shards.items():  # SRQ off while measuring
+        save_file({k: torch.zeros_like(t) if k in fitted else t for k, t in tensors.items()}, str(shard),
+                  metadata={"format": "pt"})
+    model = load_pretrained(folder, "varied SLM", float_checkpoint=False, dtype=torch.float32).eval()
+    modules = {name.split(".layers.", 1)[1]: m for name, m in model.named_modules() if ".layers." in name}
+    absmax, hooks = {}, []  # by the name after ".layers.": the loader may drop the checkpoint's prefix
+    for key in {k.split(".layers.", 1)[1].rsplit(".", 1)[0] for k in fitted}:
+        def hook(mod, args, out, key=key):
+            absmax[f"{key}.input_activation_scale"] = float(args[0].abs().max())
+            absmax[f"{key}.output_activation_scale"] = float(out.abs().max())
+        hooks.append(modules[key].register_forward_hook(hook))
+    spec = get_preset("tiny")
+    ids = calibration_ids(folder, read_training_text(DATASET, spec.tokenizer.train_bytes), spec.calibration_tokens)
+    with torch.no_grad():
+        model(input_ids=ids[None])
+    for h in hooks:
+        h.remove()
+    for shard, tensors in shards.items():
+        for name in fitted & set(tensors):
+            tensors[name] = torch.tensor(SRQ_MARGIN * absmax[name.split(".layers.", 1)[1]] / INT8_MAX,
+                                         dtype=tensors[name].dtype)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 def copy_family(family: dict[str, Path], slm: Path) -> dict[str, Path]:
