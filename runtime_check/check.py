@@ -22,7 +22,7 @@ from hyco.console import progress
 from hyco.errors import HycoError
 from hyco.recipe import CheckConfig, DatasetConfig, to_dict
 from hyco.runtime.configs import DecodeConfig, decode_config
-from hyco.runtime.decode import DecodeLog, decode
+from hyco.runtime.decode import DecodeLog, decode, decode_alone
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
 from hyco.runtime.inputs import load_model, load_prompts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
@@ -134,6 +134,11 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
     for i in progress(mine, desc=cfg.name, leave=False):
         drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
                                 convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
+        if cfg.alone:
+            logs.append((i, decode_alone(prompts[i], drafter.slm, topk=cfg.slm_topk, sampling=sampling,
+                                         seed=seeds[i] if seeds else keyed_seed(check, i), max_new_tokens=max_new_tokens,
+                                         eos_ids=eos_ids)))
+            continue
         reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
                                       window=handoff_window(cfg, phone), keyed_seed=seeds[i] if seeds else None)
         generator = torch.Generator().manual_seed(check.seed + i)
@@ -325,14 +330,14 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
         logs = [log for logs in per_run for log in logs]
         mats = [summarize(logs, keep, config.chain_depth)["mat"] for logs in per_run]
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
-                             "mtp_depth": cfg.mtp_depth, **summarize(logs, keep, config.chain_depth),
+                             "mtp_depth": cfg.mtp_depth, "alone": cfg.alone, **summarize(logs, keep, config.chain_depth),
                              # MAT is the mean over runs (one run: its MAT), with the runs' SD
                              "mat": float(np.mean(mats)), "mat_runs": mats,
                              "mat_sd_runs": float(np.std(mats, ddof=1)) if len(mats) > 1 else None,
                              "mat_ci": mat_ci(logs, pooled_items, config.bootstrap_resamples, config.seed),
                              "by_category": by_category(logs, pooled_items, keep, config)}
         all_logs[cfg.name] = logs
-        if cfg.epsilon >= 1.0:
+        if cfg.epsilon >= 1.0 and not cfg.alone:
             # Evidence for "exact verification is lossless": with each token sampled keyed by its
             # position, the rounds must commit exactly the verifier's own text (`keyed_generate`).
             verdicts = [compare_with_generate(logs, reference) for logs, (_, _, reference, _, _) in zip(per_run, runs, strict=True)]
@@ -353,7 +358,9 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     if config.backend == "qnn":
         backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
                         mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
-    paired = paired_mats(all_logs, pooled_items, config.bootstrap_resamples, config.seed)
+    # the SLM alone commits one token a pass by construction: no MAT to pair
+    paired = paired_mats({n: v for n, v in all_logs.items() if not results[n]["alone"]}, pooled_items,
+                         config.bootstrap_resamples, config.seed)
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
                 "workload": workload_stats(config, workload, items, [t for t, _ in reference]), "paired_mat": paired,
                 "prompt_selection": selection,

@@ -6,7 +6,8 @@
 - Accepted tokens by source (chain / sibling / SLM), bonus tokens outside the keep set.
 - Bytes: the hand-off's fixed part per round (e, h), its K/V part per committed token, the first
   reply, and the tree message per round.
-- Verifier passes per output token (prefill included), drafter time per round.
+- Verifier passes per output token (prefill included; none for the SLM alone), drafter time per
+  round (for the SLM alone: per token, its delivery reference).
 - How much the epsilon rule can add: the mean count of tokens with p~ >= epsilon per tree row
   (root included; every row the verifier evaluated), the mean top probability per row, and the
   share of committed tokens the verifier did not sample (accepted by the threshold alone; 0 under
@@ -58,7 +59,8 @@ def summarize(logs: list[DecodeLog], keep_ids: np.ndarray | None, chain_depth: i
         "first_reply_bytes": _avg([log.first_reply_bytes for log in logs if log.first_reply_bytes]) if kv_rows else None,
         "tree_bytes_per_round": _avg([r.tree_bytes for r in rounds]),
         "tree_nodes_per_round": _avg([r.tree_nodes for r in rounds]),
-        "verifier_passes_per_output_token": _share(len(rounds) + len(logs), output_tokens),
+        "verifier_passes_per_output_token": _share(sum(len(log.rounds) + 1 for log in logs if log.verified),
+                                                   output_tokens),
         "drafter_ms_per_round": 1e3 * _avg([r.draft_s for r in rounds]),
     }
 

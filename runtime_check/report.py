@@ -51,7 +51,9 @@ def summary_markdown(report: dict[str, Any]) -> str:
           "mean top probability of p~ per row; unsampled_share: share of committed tokens the verifier did not "
           "sample (accepted by the threshold alone; 0 under exact verification). chain_k1 / chain_kK: share of "
           "rounds whose first 1 / K chain tokens were all accepted. share_*: accepted tokens by source. Bytes: "
-          "hand-off e+h per round, its K/V per committed token, and the tree message per round (8-bit wire).", "",
+          "hand-off e+h per round, its K/V per committed token, and the tree message per round (8-bit wire). Rule "
+          "none (slm-alone): the SLM decodes by itself, one pass and one token a round (MAT 1 by construction), "
+          "nothing verified; its draft_ms_round is the host's time per token on these graphs, not a phone's.", "",
           *_vacuity_warning(results, epsilon),
           *_workload_lines(settings, results),
           *_prompt_lines(settings),
@@ -120,7 +122,8 @@ def _row(name: str, r: dict) -> dict:
     chain = r["chain_acceptance_cumulative"]
     share = r["accepted_share_by_source"]
     return {
-        "config": name, "label": r["label"], "rule": "exact" if r["epsilon"] >= 1 else f"eps={r['epsilon']:g}",
+        "config": name, "label": r["label"],
+        "rule": "none" if r.get("alone") else "exact" if r["epsilon"] >= 1 else f"eps={r['epsilon']:g}",
         "mat": r["mat"], "mat_ci95": _ci(r["mat_ci"]["ci"]), "mat_sd_runs": _blank(r.get("mat_sd_runs")), "tokens_ge_eps_row": r["tokens_at_epsilon_per_row"], "top_p_row": r["top_probability_per_row"],
         "unsampled_share": r["committed_unsampled_share"], "chain_k1": chain[0] if chain else "",
         "chain_kK": chain[-1] if chain else "", "share_chain": share["chain"], "share_sibling": share["sibling"],

@@ -848,3 +848,51 @@ def test_greedy_decode_on_onnxruntime_accepts_drafts_and_equals_generate(distill
     accepted = assert_greedy_lossless(distilled["verifier"], drafters, distilled_prompts, cfg,
                                       handoff_window(cfg, GRAPH_PHONE))
     assert accepted > 0, name
+
+
+@torch.no_grad()
+def step_by_step(model, prompt: list[int], keep: torch.Tensor, topk: int, sampling: Sampling, seed: int,
+                 max_new_tokens: int, eos: set[int]) -> list[int]:
+    """The SLM's own decoding through transformers' forward and cache: each token from its
+    top-`topk` log-probs over `keep`, through p~, keyed by its position (`slm-alone`'s rule)."""
+    from transformers import DynamicCache
+
+    from hyco.runtime.acceptance import keyed_samples
+
+    cache, ids, out = DynamicCache(config=model.config), torch.tensor([prompt]), []
+    while len(out) < max_new_tokens and (not out or out[-1] not in eos):
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1, keep]
+        logprobs, index = torch.log_softmax(logits.float(), -1).topk(topk)
+        pick = keyed_samples(sampling.probs(logprobs[None]), [len(prompt) + len(out)], seed)[0]
+        out.append(int(keep[index[pick]]))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_slm_alone_is_the_slms_own_decoding(temperature):
+    """`slm-alone` (the SLM Drafter decoding by itself, one pass a token) against an independent
+    loop over transformers' own forward and cache: the same tokens, greedy and sampled, with a
+    keep set and a prompt that crosses the sliding window. Every round commits one token, and
+    no verifier pass is counted."""
+    from hyco.runtime_check.metrics import summarize
+
+    from hyco.runtime.decode import decode_alone
+
+    model = tiny_gemma4(5, kv_shared=True)
+    keep = torch.tensor(sorted(set(range(3, 96, 2)) | {1}))
+    prompt = [2] + [int(t) for t in torch.randint(3, 96, (20,), generator=torch.Generator().manual_seed(1))]
+    sampling = Sampling(temperature, 64, 0.95)
+    cfg = decode_config("slm-alone", CheckConfig())
+    assert cfg.alone and cfg.slm_passes == 1
+    for seed in (3, 4):
+        slm = SlmTorch(model, keep_ids=keep, ring_full=1024, ring_sliding=512, max_prompt=1024)
+        log = decode_alone(prompt, slm, topk=cfg.slm_topk, sampling=sampling, seed=seed, max_new_tokens=24, eos_ids={1})
+        want = step_by_step(model, prompt, keep, cfg.slm_topk, sampling, seed, 24, {1})
+        assert log.tokens == want and len(set(want)) > 4, (log.tokens, want)  # more than one repeated token
+        figures = summarize([log], keep.numpy(), 0)
+        assert figures["mat"] == 1.0 and figures["rounds"] == len(want) and figures["verifier_passes_per_output_token"] == 0
+    if temperature:  # the keyed samples matter: another seed, another text
+        other = decode_alone(prompt, SlmTorch(model, keep_ids=keep, ring_full=1024, ring_sliding=512, max_prompt=1024),
+                             topk=cfg.slm_topk, sampling=sampling, seed=9, max_new_tokens=24, eos_ids={1})
+        assert other.tokens != want

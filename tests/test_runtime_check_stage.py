@@ -11,7 +11,7 @@ from hyco.cli import main
 from hyco.recipe import CheckConfig
 from hyco.runtime.configs import decode_config
 
-CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp"]
+CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp", "slm-alone"]
 
 
 def write_recipe(path, family, **check):
@@ -30,13 +30,17 @@ def write_recipe(path, family, **check):
 
 @pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_path, capsys):
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family)
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family, configs=CONFIGS)
     assert main(["check", "--recipe", str(recipe)]) == 0
     out = tmp_path / "run" / "check"
     report = json.loads((out / "report.json").read_text())
     assert list(report["configs"]) == CONFIGS
     for name, r in report["configs"].items():
         cfg = decode_config(name, CheckConfig())
+        if cfg.alone:  # one pass, one token a round, no verifier, nothing on the wire
+            assert r["mat"] == 1.0 and r["rounds"] == r["output_tokens"] > 0 and r["verifier_passes_per_output_token"] == 0
+            assert r["tree_bytes_per_round"] == 0 and r["handoff_bytes_per_round"] is None and r["drafter_ms_per_round"] > 0
+            continue
         # A round commits at most the tree's depth + the bonus: the chain's K nodes plus one level
         # per SLM pass (SpecEdge: passes only; Cloud+MTP: the chain only).
         assert 1.0 <= r["mat"] <= cfg.mtp_depth + cfg.slm_passes + 1, name
@@ -47,7 +51,7 @@ def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_pa
         if cfg.epsilon >= 1:
             assert r["committed_unsampled_share"] == 0.0  # exact verification commits only samples
     # Every exact configuration's text was compared with the verifier's own (keyed sampling).
-    exact = [n for n in CONFIGS if decode_config(n, CheckConfig()).epsilon >= 1]
+    exact = [n for n in CONFIGS if decode_config(n, CheckConfig()).epsilon >= 1 and not decode_config(n, CheckConfig()).alone]
     assert list(report["lossless"]) == exact == ["hyco-exact", "specedge", "cloud-mtp"]
     for name in exact:
         v = report["lossless"][name]
@@ -60,7 +64,8 @@ def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_pa
     assert report["configs"]["cloud-mtp"]["handoff_bytes_per_round"] is None  # the head is on the server
     assert report["configs"]["hyco"]["handoff_bytes_per_round"] == 2 * (128 + 2)  # verifier hidden 128
     assert report["configs"]["cloud-mtp"]["tree_nodes_per_round"] <= 4
-    assert "| hyco-2p |" in (out / "summary.md").read_text()
+    assert "| hyco-2p |" in md and "| slm-alone | SLM alone | none |" in md
+    assert "slm-alone" not in report["settings"]["paired_mat"]["vs_baseline"]  # MAT 1 by construction: not paired
     assert (out / "check.png").stat().st_size > 1000
     assert "MAT per configuration" in capsys.readouterr().out
 

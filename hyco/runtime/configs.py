@@ -13,6 +13,10 @@ the tiny recipe and the paper share one table:
 | specedge-eps | none              | 0 | -        | 4          | 32         | epsilon    |
 | cloud-mtp  | server, full vocab, whole prefix | 4 | - | 0     | 4          | exact      |
 | hyco-server-head | server, full vocab, whole prefix | 4 | 1-2 | 1 | 32       | epsilon    |
+| slm-alone  | none                | 0 | -        | 1 a token  | -          | none: no server |
+
+`slm-alone` is the paper's delivery reference: the SLM Drafter on the phone decodes by itself,
+one pass a token, each token sampled from its own top-`slm_topk` (`decode.decode_alone`).
 
 `X@float` / `X@deployed`: configuration X with the phone's drafters on the other numerics
 (check.drafters; backend onnxruntime), so the report pairs X with its float twin.
@@ -41,6 +45,7 @@ class DecodeConfig:
     slm_edge_cost: float  # added per SLM edge: ln(rate) in the hybrid tree, 0 in the SLM-only tree
     slm_topk: int  # children the SLM proposes under each node it expands
     drafters: str = "deployed"  # the phone's numerics under backend onnxruntime (check.drafters)
+    alone: bool = False  # the SLM decodes by itself: no server, no verification (slm-alone)
 
 
 def _hybrid(check: CheckConfig, name: str, label: str, passes: int, epsilon: float,
@@ -68,6 +73,8 @@ CONFIGS = {
     # the server (float, full vocabulary, whole prefix), the SLM on the phone
     "hyco-server-head": lambda c: _hybrid(c, "hyco-server-head", "HyCo, head on server", c.slm_passes, c.epsilon,
                                           head_on_server=True),
+    "slm-alone": lambda c: DecodeConfig("slm-alone", "SLM alone", 0, False, (), 1, 1.0, 1, c.rate, 0.0, c.slm_topk,
+                                        alone=True),
 }
 NUMERICS = ("deployed", "float")
 

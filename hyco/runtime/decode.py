@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyco.runtime.acceptance import keyed_samples
 from hyco.runtime.drafters import TreeDrafter
-from hyco.runtime.tree import CHAIN
-from hyco.runtime.verifier import ReferenceVerifier
+from hyco.runtime.tree import CHAIN, DraftTree
+from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
 
 @dataclass
@@ -47,6 +48,7 @@ class DecodeLog:
     wire_kv: list[int] = field(default_factory=list)
     wire_kv_rows: list[int] = field(default_factory=list)  # committed tokens each wire_kv entry covers
     first_reply_bytes: int = 0
+    verified: bool = True  # False: the SLM alone decoded it (no verifier pass)
 
 
 def first_eos(tokens: list[int], eos_ids: set[int]) -> int | None:
@@ -95,4 +97,33 @@ def decode(prompt: list[int], verifier: ReferenceVerifier, drafter: TreeDrafter,
         log.wire_per_round = [w.per_round for w in wire[1:]]
         log.wire_kv = [w.kv for w in wire[1:]]
         log.wire_kv_rows = [w.kv_rows for w in wire[1:]]
+    return log
+
+
+def decode_alone(prompt: list[int], slm, *, topk: int, sampling: Sampling, seed: int, max_new_tokens: int,
+                 eos_ids: set[int]) -> DecodeLog:
+    """The SLM Drafter alone on the phone (`slm-alone`, the paper's delivery reference): it prefills
+    the prompt but its last token, then makes one pass a token over a one-node tree (the last
+    token), and samples the next from what its graph returns, the top-`topk` log-probs over the
+    keep set, through the check's temperature / top-k / top-p, keyed by the token's position as
+    the verifier's samples are (`acceptance.keyed_samples`). At temperature 0 that is the SLM's
+    greedy decoding. Each pass is a round of one committed token (MAT 1), with its draft time;
+    nothing is verified and nothing crosses the link."""
+    if len(prompt) < 2:
+        raise ValueError("slm-alone needs a prompt of at least 2 tokens (the SLM prefills all but the last)")
+    log = DecodeLog(len(prompt), verified=False)
+    slm.start(prompt[:-1])
+    out, last = [], prompt[-1]
+    while len(out) < max_new_tokens and (not out or out[-1] not in eos_ids):
+        start = time.perf_counter()
+        ids, logprobs = slm.propose(DraftTree(last), [0], topk)[0]
+        probs = sampling.probs(torch.tensor([logprobs]))  # log-probs as logits: p~ renormalized over the k
+        token = ids[int(keyed_samples(probs, [len(prompt) + len(out)], seed)[0])]
+        log.rounds.append(RoundLog(accepted_sources=[], chain_depth_reached=0, chain_planted=0, bonus=token,
+                                   unsampled=0, rows_at_epsilon=0, top_probability_sum=0.0, tree_nodes=0,
+                                   tree_bytes=0, draft_s=time.perf_counter() - start))
+        slm.commit([last])
+        out.append(token)
+        last = token
+    log.tokens = out
     return log
