@@ -76,8 +76,11 @@ def text_model(verifier: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def embed_tokens(verifier: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    """e(x) exactly as the assistant consumes it: the verifier's scaled input embedding."""
-    return verifier.get_input_embeddings()(token_ids)
+    """e(x) exactly as the assistant consumes it: the verifier's scaled input embedding (on the
+    embedding's device; an offloaded one sits on meta and its hook brings it in)."""
+    table = verifier.get_input_embeddings()
+    device = table.weight.device
+    return table(token_ids.to(device) if device.type != "meta" else token_ids)
 
 
 @torch.no_grad()

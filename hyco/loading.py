@@ -564,9 +564,42 @@ def preflight(path: str | Path) -> None:
             read_json(path / name, name)
 
 
+# Quantized verifier formats transformers reads, and the packages its quantizers need to load them
+# (transformers' quantizer_awq / quantizer_gptq / quantizer_compressed_tensors). The verifier's
+# server is where the paper's AWQ 4-bit checkpoint runs; the phone's drafters never read these.
+SERVER_QUANT = {"awq": ("gptqmodel",), "gptq": ("optimum", "gptqmodel"), "compressed-tensors": ("compressed_tensors",)}
+
+
+def quant_method(folder: str | Path, what: str = "model") -> str | None:
+    """The checkpoint's `quantization_config.quant_method` (top level or its text config), or None
+    (also without a config.json: the loader then says what is missing)."""
+    if not (Path(folder) / "config.json").is_file():
+        return None
+    config = read_json(Path(folder) / "config.json", f"{what} config.json")
+    text = config.get("text_config") or {}
+    return (config.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method")
+
+
+def check_server_quant(folder: str | Path, method: str, what: str = "the verifier") -> None:
+    """One line naming the package(s) a quantized checkpoint (`what`: how the line names it) needs,
+    when they are not installed; an unknown method is refused with the ones this project reads."""
+    import importlib.util
+
+    if method not in SERVER_QUANT:
+        raise HycoError(f"{Path(folder) / 'config.json'}: {what} must be a float checkpoint or quantized with one "
+                        f"of {', '.join(SERVER_QUANT)}, but its quant_method is {method!r}")
+    missing = [p for p in SERVER_QUANT[method] if importlib.util.find_spec(p) is None]
+    if missing:
+        names = " and ".join(p.replace("_", "-") for p in missing)
+        raise HycoError(f"{Path(folder) / 'config.json'}: {what} is quantized with {method!r}; transformers needs "
+                        f"the {names} package to load it (pip install {' '.join(p.replace('_', '-') for p in missing)})")
+
+
 def load_verifier(folder: str | Path, placement, what: str = "verifier"):
     """The verifier as `placement` (recipe.PlacementConfig) puts it: its dtype (auto: BF16 on a
-    GPU, fp32 on a CPU), and accelerate's `device_map` / `max_memory` / `offload_folder`. A BF16
+    GPU, fp32 on a CPU), and accelerate's `device_map` / `max_memory` / `offload_folder`. A
+    quantized checkpoint (SERVER_QUANT) loads through transformers' quantizer when its package is
+    installed, else one line names the package. A BF16
     load is transformers' own (its non-persistent buffers, such as the embedding scale, as
     transformers computes them); offloaded layers compute the same outputs."""
     import os
@@ -588,4 +621,7 @@ def load_verifier(folder: str | Path, placement, what: str = "verifier"):
         kwargs["max_memory"] = {int(k) if str(k).isdigit() else k: v for k, v in placement.max_memory.items()}
     if placement.offload_folder:
         kwargs["offload_folder"] = str(placement.offload_folder)
-    return load_pretrained(folder, what, **kwargs).eval()
+    method = quant_method(folder, what)
+    if method is not None:  # AWQ / GPTQ / compressed-tensors: their integer tensors are the format
+        check_server_quant(folder, method, f"the {what}")
+    return load_pretrained(folder, what, float_checkpoint=method is None, **kwargs).eval()

@@ -81,7 +81,11 @@ def check_model(role: str, folder: Path) -> int:
     if want["quant_method"] is not None and method != want["quant_method"]:
         raise HycoError(f"{folder / 'config.json'}: models.{role} must be in the QAT mobile format (quant_method "
                         f"{want['quant_method']!r}), but got {method!r}")
-    if want["quant_method"] is None and method is not None:
+    if role == "verifier" and method is not None:  # a server's AWQ / GPTQ / compressed-tensors checkpoint
+        from hyco.loading import check_server_quant
+
+        check_server_quant(folder, method, "models.verifier")
+    elif want["quant_method"] is None and method is not None:
         raise HycoError(f"{folder / 'config.json'}: models.{role} must be a float checkpoint, but it is quantized "
                         f"(quant_method {method!r})")
     names = checkpoint_files(folder, role)
@@ -89,6 +93,18 @@ def check_model(role: str, folder: Path) -> int:
         if not any(needed in n for n in names):
             raise HycoError(f"{folder}: models.{role} has no tensor named like {needed!r} (another layout?)")
     return sum(p.stat().st_size for p in {path for _, _, path in names.values()})
+
+
+def check_teacher(verifier: Path, quantized_teacher: bool) -> None:
+    """qat distills the MTP head against the verifier's states: a BF16 teacher unless the recipe
+    opts in to a quantized one (qat.quantized_teacher)."""
+    from hyco.loading import quant_method
+
+    method = quant_method(verifier, "verifier")
+    if method is not None and not quantized_teacher:
+        raise HycoError(f"{verifier / 'config.json'}: models.verifier is quantized ({method!r}), and qat distills the "
+                        "MTP head against its states: point models.verifier at the BF16 checkpoint for qat (and set "
+                        "it back for check), or set qat.quantized_teacher: true")
 
 
 def check_corpus(recipe) -> None:
@@ -112,13 +128,13 @@ def device() -> str:
 
 def load_growth(stage: str, placement, checkpoint_dtype: str | None) -> float:
     """How much larger the verifier is in memory than on disk in `stage`: 2 when a 16-bit
-    checkpoint is loaded in fp32 (the check always; answers and qat as `placement.dtype` says,
-    auto meaning fp32 without a GPU), else 1."""
+    checkpoint is loaded in fp32 (answers, qat and check as `placement.dtype` says, auto meaning
+    fp32 without a GPU), else 1."""
     import torch
 
     if checkpoint_dtype not in ("bfloat16", "float16"):
         return 1.0
-    fp32 = stage == "check" or placement.dtype == "float32" or (placement.dtype == "auto" and not torch.cuda.is_available())
+    fp32 = placement.dtype == "float32" or (placement.dtype == "auto" and not torch.cuda.is_available())
     return 2.0 if fp32 else 1.0
 
 
@@ -164,6 +180,8 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
                 check_folder(path)
     if "vocab" in modules:
         check_corpus(recipe)
+    if "qat" in modules and "verifier" in sizes:
+        check_teacher(Path(recipe.path(recipe.models.verifier, run_dir)), recipe.qat.quantized_teacher)
     if "check" in modules and recipe.check.workload.source is not None:  # every line, before hours of convert
         from hyco.workloads import read_workload
 

@@ -218,6 +218,7 @@ class QatConfig:
     seed: int = 0
     calibration_sequences: int = 8  # train captures for the 16-bit activation encodings
     mask_negative: float = -50.0  # the step graph's additive mask (shares Softmax's 16-bit range)
+    quantized_teacher: bool = False  # distill against a quantized verifier (AWQ, GPTQ, ...): opt in
 
     def __post_init__(self):
         _require(self.steps >= 0, f"qat.steps must be >= 0, but got {self.steps}")

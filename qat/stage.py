@@ -194,7 +194,9 @@ def capture_through_verifier(verifier: Path, assistant: Path, tok, keep, answer_
     from hyco.captures import CaptureSet, capture_answers
     from hyco.embed_lut import EMBED_LUT, write_embed_lut
     from hyco.loading import load_verifier
+    from hyco.preflight import check_teacher
 
+    check_teacher(Path(verifier), config.quantized_teacher)  # a BF16 teacher unless the recipe opts in
     with phase("load verifier"):
         ver = load_verifier(verifier, placement or PlacementConfig())
     check_pair(ver.config, h_cfg, tok, Path(verifier), Path(assistant))

@@ -20,7 +20,7 @@ from hyco.runtime_check.report import write_report
 from hyco.answers import eos_ids_of
 from hyco.console import progress
 from hyco.errors import HycoError
-from hyco.recipe import CheckConfig, DatasetConfig, to_dict
+from hyco.recipe import CheckConfig, DatasetConfig, PlacementConfig, to_dict
 from hyco.runtime.configs import DecodeConfig, decode_config
 from hyco.runtime.decode import DecodeLog, decode, decode_alone
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
@@ -156,12 +156,14 @@ def keyed_generate(verifier, prompt: list[int], max_new_tokens: int, sampling: S
     from transformers import DynamicCache
 
     from hyco.runtime.acceptance import keyed_samples
+    from hyco.runtime.tree_pass import input_device
 
     cache = DynamicCache(config=verifier.config.get_text_config())
+    device = input_device(verifier)
     ids, tokens, logits = torch.tensor([prompt]), [], []
     position = len(prompt)
     while len(tokens) < max_new_tokens:
-        step = verifier(input_ids=ids, cache=cache, use_cache=True).logits[0, -1:].float()
+        step = verifier(input_ids=ids.to(device), cache=cache, use_cache=True).logits[0, -1:].float().cpu()
         token = int(keyed_samples(sampling.probs(step), [position], seed)[0])
         tokens.append(token)
         logits.append(step)
@@ -215,8 +217,11 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
               dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
               max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
-              bundle_dir: Path | None = None, workload: Path | None = None) -> dict[str, Any]:
+              bundle_dir: Path | None = None, workload: Path | None = None,
+              placement: PlacementConfig | None = None) -> dict[str, Any]:
     """`workload`: the file of a spec-bench or infinitebench-sum workload (`config.workload`).
+    `placement`: the verifier's and the server head's dtype and devices (recipe.placement, as
+    answers and qat place the verifier: BF16 on a GPU, device_map, offload); None: float32 on the CPU.
     `ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
     `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`. `out` None: a
     follower process of `accelerate launch` (its share of the prompts; writes nothing).
@@ -252,14 +257,14 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
         return _run_check(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
                           dataset=dataset, config=config, phone=phone, out=out, decode_configs=decode_configs,
                           prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir,
-                          workload=workload)
+                          workload=workload, placement=placement)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
                prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
-               bundle_dir: Path | None = None, workload: Path | None = None):
+               bundle_dir: Path | None = None, workload: Path | None = None, placement=None):
     from hyco.answers import text_stats
     from hyco.launch import in_order, my_positions, start_followers
     from hyco.loading import load_tokenizer
@@ -267,9 +272,9 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     start_followers()
     names = [c.name for c in decode_configs]
     tok = load_tokenizer(tokenizer)
-    verifier_model = load_model(verifier, "verifier")
+    verifier_model = load_model(verifier, "verifier", placement)
     torch_head = config.backend == "torch" or any(c.mtp_on_server for c in decode_configs)
-    head = load_model(assistant, "assistant") if torch_head and any(c.mtp_depth for c in decode_configs) else None
+    head = load_model(assistant, "assistant", placement) if torch_head and any(c.mtp_depth for c in decode_configs) else None
     needs_slm = any(c.slm_passes for c in decode_configs) and config.backend == "torch"
     slm_model = load_model(slm, "SLM") if needs_slm else None
     vocab_size = verifier_model.config.get_text_config().vocab_size
@@ -350,7 +355,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     graphs = config.backend == "onnxruntime"
     backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
                 "mtp": "onnxruntime (qat/ mtp_step.onnx, INT4)" if graphs else "torch float (qat/mtp.py)",
-                "verifier": "transformers float32"}
+                "verifier": f"transformers, {where(verifier_model)}"}
     if graphs and config.drafters == "deployed":
         backends.update(slm="onnxruntime CPU on the export bundle's tree/prefill QDQ graphs (16-bit activations, "
                             "8-bit KV rings: deployed numerics)",
@@ -368,6 +373,17 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
                 "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}
     return write_report(Path(out), results, settings, lossless) if out is not None else {}
+
+
+def where(model) -> str:
+    """The model's dtype and devices as placed (accelerate's device map: modules per device)."""
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()]
+        devices = ", ".join(f"{d}: {names.count(d)} modules" for d in dict.fromkeys(names))
+    else:
+        devices = str(next(model.parameters()).device)
+    return f"{str(model.dtype).removeprefix('torch.')} on {devices}"
 
 
 def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampling: Sampling, eos: set[int]):

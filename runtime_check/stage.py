@@ -24,7 +24,8 @@ def phone_shapes(recipe: Recipe) -> dict[str, Any]:
 
 
 def section(recipe: Recipe) -> dict[str, Any]:
-    return {"check": to_dict(recipe.check), "dataset": to_dict(recipe.dataset), "phone": phone_shapes(recipe)}
+    return {"check": to_dict(recipe.check), "dataset": to_dict(recipe.dataset), "phone": phone_shapes(recipe),
+            "placement": to_dict(recipe.placement)}
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
@@ -66,4 +67,4 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
                      tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
                      config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),
                      qat_dir=paths.get("qat"), bundle_dir=paths.get("bundle"), workload=paths.get("workload"),
-                     **phone_shapes(recipe))
+                     placement=recipe.placement, **phone_shapes(recipe))

@@ -53,3 +53,48 @@ def test_offloaded_answers_are_byte_identical(ladder, tiny_family, tmp_path):
 def test_placement_is_validated():
     with pytest.raises((HycoError, ValueError), match="placement.device_map must be"):
         PlacementConfig(device_map="everywhere")
+
+
+def quantized_copy(verifier, dst, method: str):
+    """The verifier's folder with its config saying `method` (the tensors stay float: what is
+    tested is the refusal before any tensor is read)."""
+    import json
+    import shutil
+
+    shutil.copytree(verifier, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("method, package", [("awq", "gptqmodel"), ("gptq", "optimum and gptqmodel"),
+                                             ("compressed-tensors", "compressed-tensors")])
+def test_a_quantized_verifier_without_its_backend_is_one_line_naming_the_package(tiny_family, tmp_path, method,
+                                                                                  package):
+    import importlib.util
+
+    from hyco.loading import SERVER_QUANT
+
+    if all(importlib.util.find_spec(p) for p in SERVER_QUANT[method]):
+        pytest.skip(f"{package} is installed here: the refusal cannot be seen")
+    folder = quantized_copy(tiny_family["verifier"], tmp_path / "verifier", method)
+    with pytest.raises(HycoError) as e:
+        load_verifier(folder, PlacementConfig())
+    said = str(e.value)
+    assert "\n" not in said and str(folder / "config.json") in said and repr(method) in said, said
+    assert any(f"the {p} package" in said for p in (package, package.split(" and ")[-1])), said
+
+
+def test_an_unknown_quantization_and_a_quantized_teacher_are_refused(tiny_family, tmp_path):
+    from hyco.preflight import check_model, check_teacher
+
+    folder = quantized_copy(tiny_family["verifier"], tmp_path / "verifier", "bitsandbytes")
+    with pytest.raises(HycoError, match=r"must be a float checkpoint or quantized with one of awq, gptq, "
+                                        r"compressed-tensors, but its quant_method is 'bitsandbytes'"):
+        check_model("verifier", folder)
+    awq = quantized_copy(tiny_family["verifier"], tmp_path / "awq", "awq")
+    with pytest.raises(HycoError, match=r"models.verifier is quantized \('awq'\).*qat.quantized_teacher: true"):
+        check_teacher(awq, quantized_teacher=False)
+    check_teacher(awq, quantized_teacher=True)  # opted in
+    check_teacher(tiny_family["verifier"], quantized_teacher=False)  # a float teacher

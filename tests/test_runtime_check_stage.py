@@ -227,3 +227,29 @@ def test_several_runs_give_the_mean_mat_and_its_sd_and_each_run_stays_lossless(t
     v = report["lossless"]["cloud-mtp"]
     assert v["equal"] and v["runs"] == 3 and v["prompts"] == 3
     assert r["mat_ci"]["clusters"] == 1  # one question, its three runs resampled together
+
+
+@pytest.mark.parametrize("placement", [{"dtype": "bfloat16"},
+                                       {"dtype": "float32", "max_memory": {"cpu": "1MiB"}, "offload_folder": "offload"}])
+def test_check_places_the_verifier_as_the_recipe_says(tiny_family_distilled, tmp_path, placement):
+    """recipe.placement reaches the check's verifier and server head as it reaches answers' and
+    qat's: BF16, or accelerate's device map with layers offloaded to disk (on this CPU). Exact
+    verification stays lossless against the verifier's own text in the same placement, and the
+    report says where the verifier ran."""
+    if "offload_folder" in placement:
+        placement = {**placement, "offload_folder": str(tmp_path / placement["offload_folder"])}
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_family_distilled, configs=["hyco-exact", "cloud-mtp"], prompts=2)
+    data = yaml.safe_load(recipe.read_text())
+    recipe.write_text(yaml.safe_dump({**data, "placement": placement}))
+    assert main(["check", "--recipe", str(recipe)]) == 0
+    report = json.loads((tmp_path / "run" / "check" / "report.json").read_text())
+    where = report["settings"]["backends"]["verifier"]
+    if placement["dtype"] == "bfloat16":
+        assert where.startswith("transformers, bfloat16 on cpu"), where
+    else:
+        assert where.startswith("transformers, float32 on ") and "disk:" in where, where  # layers offloaded
+    for name in ("hyco-exact", "cloud-mtp"):
+        v = report["lossless"][name]
+        assert v["equal"] is True and v["tokens_compared"] >= 8, (name, v)
+    for name in ("hyco-exact", "cloud-mtp"):  # the drafts (the server head's too) are accepted, not only bonuses
+        assert report["configs"][name]["mat"] > 1.5, report["configs"][name]

@@ -11,13 +11,19 @@ from hyco.errors import HycoError
 from hyco.recipe import DatasetConfig
 
 
-def load_model(path: Path, what: str):
-    from hyco.loading import check_scales, checkpoint_files, load_pretrained
+def load_model(path: Path, what: str, placement=None):
+    """`placement` (recipe.PlacementConfig; the verifier and the server's head): its dtype and
+    devices, as answers and qat place the verifier (`loading.load_verifier`); None: float32 on the
+    CPU (the SLM always: it stands in for the phone)."""
+    from hyco.loading import check_scales, checkpoint_files, load_pretrained, load_verifier
 
     quantized = what == "SLM"  # the QAT-format checkpoint: integer weights and their scales
     if quantized:
         check_scales(checkpoint_files(path, what))
-    model = load_pretrained(path, what, float_checkpoint=not quantized, dtype=torch.float32)
+    if placement is not None and not quantized:
+        model = load_verifier(path, placement, what)
+    else:
+        model = load_pretrained(path, what, float_checkpoint=not quantized, dtype=torch.float32)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")  # the tree masks are 4D additive masks
     return model.eval()

@@ -20,8 +20,8 @@ class Draft:
     topk_logprobs: torch.Tensor  # [K, topk]
 
 
-def _shared_kv(kv: dict[str, tuple[torch.Tensor, torch.Tensor]], device) -> dict:
-    return {name: (k[None].to(device), v[None].to(device)) for name, (k, v) in kv.items()}
+def _shared_kv(kv: dict[str, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> dict:
+    return {name: (k[None].to(device, dtype), v[None].to(device, dtype)) for name, (k, v) in kv.items()}
 
 
 @torch.no_grad()
@@ -31,13 +31,13 @@ def head_step(head: nn.Module, embed: torch.Tensor, hidden: torch.Tensor,
     Returns (logits [V], next hidden [Hb])."""
     device = head.pre_projection.weight.device
     dtype = head.pre_projection.weight.dtype
-    inputs_embeds = torch.cat([embed, hidden], dim=-1).reshape(1, 1, -1).to(device, dtype)
+    inputs_embeds = torch.cat([embed.to(device), hidden.to(device)], dim=-1).reshape(1, 1, -1).to(dtype)
     kv_len = next(iter(kv.values()))[0].shape[1]
     out = head(
         inputs_embeds=inputs_embeds,
         attention_mask=torch.ones(1, kv_len, dtype=torch.long, device=device),
         position_ids=torch.tensor([[position]], device=device),
-        shared_kv_states=_shared_kv(kv, device),
+        shared_kv_states=_shared_kv(kv, device, dtype),
         use_cache=False,
     )
     return out.logits[0, -1].float(), out.last_hidden_state[0, -1].float()
@@ -64,7 +64,7 @@ def draft_chain(head: nn.Module, embed_fn, start: StepInput, depth: int, topk: i
         tokens.append(token)
         ids.append(top_vocab)
         logprobs.append(top_lp)
-        embed = embed_fn(token.reshape(1).to(start.embed.device))[0].float()
+        embed = embed_fn(token.reshape(1).to(start.embed.device))[0].float().to(start.embed.device)
     return Draft(torch.stack(tokens).cpu(), torch.stack(ids).cpu(), torch.stack(logprobs).cpu())
 
 

@@ -35,11 +35,19 @@ class PassOutput:
     shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (k, v) [kv_heads, n, head_dim]
 
 
+def input_device(model) -> torch.device:
+    """Where a pass's inputs go: the input embedding's device (accelerate's hooks move them on
+    from there); an embedding offloaded to disk sits on meta, and its hook takes CPU inputs."""
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 class CachedTreeModel:
     """A causal LM with a growing committed context and one pending tree at a time."""
 
     def __init__(self, model, *, ring_full: int | None = None, ring_sliding: int | None = None):
         self.model = model.eval()
+        self.device = input_device(model)
         config = model.config.get_text_config()
         self.sliding_window = config.sliding_window
         self.ring = {FULL: ring_full, SLIDING: ring_sliding}
@@ -94,9 +102,9 @@ class CachedTreeModel:
         hook = self.model.get_decoder().norm.register_forward_hook(self._capture_norm)
         try:
             out = self.model(
-                input_ids=torch.tensor([tokens]),
-                position_ids=positions[None],
-                attention_mask=self._masks(positions, ancestor),
+                input_ids=torch.tensor([tokens], device=self.device),
+                position_ids=positions[None].to(self.device),
+                attention_mask={t: m.to(self.device) for t, m in self._masks(positions, ancestor).items()},
                 cache=self.cache,
                 use_cache=True,
                 return_shared_kv_states=True,
@@ -105,9 +113,12 @@ class CachedTreeModel:
             hook.remove()
         self.key_positions = torch.cat([self.key_positions, positions])
         self.pending = n
-        shared = {t: (k[0, :, -n:], v[0, :, -n:]) for t, (k, v) in (out.shared_kv_states or {}).items()}
-        return PassOutput(out.logits[0].float(), self._norm_io["after"][0].float(),
-                          self._norm_io["before"][0].float(), shared)
+        # what leaves the pass is float32 on the CPU, wherever the model runs: the acceptance rules,
+        # the hand-off and the metrics work there
+        shared = {t: (k[0, :, -n:].float().cpu(), v[0, :, -n:].float().cpu())
+                  for t, (k, v) in (out.shared_kv_states or {}).items()}
+        return PassOutput(out.logits[0].float().cpu(), self._norm_io["after"][0].float().cpu(),
+                          self._norm_io["before"][0].float().cpu(), shared)
 
     def commit(self, rows: list[int]) -> None:
         """Keep the pending rows `rows` (in order: root, then the accepted path) and drop the rest."""
@@ -116,8 +127,9 @@ class CachedTreeModel:
         keep = keep[self._inside_ring(keep, extra=len(rows))]
         for layer in self.cache.layers:
             if layer.is_initialized and layer.keys.numel():
-                layer.keys = layer.keys.index_select(-2, keep)
-                layer.values = layer.values.index_select(-2, keep)
+                index = keep.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
         self.key_positions = self.key_positions[keep]
         self.committed += len(rows)
         self.pending = 0

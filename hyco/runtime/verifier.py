@@ -82,7 +82,7 @@ class ReferenceVerifier:
         index = torch.tensor(rows, dtype=torch.long)
         new_kv = {t: (k.index_select(1, index).float(), v.index_select(1, index).float())
                   for t, (k, v) in out.shared_kv.items() if t in LAYER_TYPES}
-        embed = embed_tokens(self.model, torch.tensor([root]))[0].float()
+        embed = embed_tokens(self.model, torch.tensor([root]))[0].float().cpu()
         return Handoff(embed, hidden[endpoint].float(), new_kv, self.runner.committed)
 
     def prefill(self, prompt: list[int], generator: torch.Generator | None) -> Reply:
