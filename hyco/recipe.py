@@ -312,6 +312,9 @@ class CheckConfig:
     seed: int = 0
     slm_topk: int = 8  # SLM children per expanded node (the tree graph's top-k)
     specedge_passes: int = 4  # the SLM-only baseline's sequential passes
+    # specedge-pd: SLM passes drafted while a reply is in flight (proactive drafting); how many fit
+    # is the timing model's (round trip vs SLM pass time), this is what the check assumes
+    pd_passes: int = 2
     # The SLM Drafter's rings and prefill limit are convert's (ring_full, ring_sliding,
     # max_prompt), the MTP Drafter's window and h_t capture point qat's (window, capture_point):
     # the check stage passes those sections' values, so graphs and runtime share one number.
@@ -324,6 +327,7 @@ class CheckConfig:
         _require(self.chain_depth >= 0, f"check.chain_depth must be >= 0, but got {self.chain_depth}")
         _require(self.slm_topk >= 1, f"check.slm_topk must be >= 1, but got {self.slm_topk}")
         _require(self.specedge_passes >= 1, f"check.specedge_passes must be >= 1, but got {self.specedge_passes}")
+        _require(self.pd_passes >= 1, f"check.pd_passes must be >= 1, but got {self.pd_passes}")
         _require(self.threads >= 0, f"check.threads must be >= 0, but got {self.threads}")
         _require(self.runs >= 1, f"check.runs must be >= 1, but got {self.runs}")
         _require(self.bootstrap_resamples >= 100,

@@ -335,7 +335,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
         logs = [log for logs in per_run for log in logs]
         mats = [summarize(logs, keep, config.chain_depth)["mat"] for logs in per_run]
         results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
-                             "mtp_depth": cfg.mtp_depth, "alone": cfg.alone, **summarize(logs, keep, config.chain_depth),
+                             "mtp_depth": cfg.mtp_depth, "alone": cfg.alone, "pd_passes": cfg.pd_passes, **summarize(logs, keep, config.chain_depth),
                              # MAT is the mean over runs (one run: its MAT), with the runs' SD
                              "mat": float(np.mean(mats)), "mat_runs": mats,
                              "mat_sd_runs": float(np.std(mats, ddof=1)) if len(mats) > 1 else None,

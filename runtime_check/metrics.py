@@ -7,7 +7,8 @@
 - Bytes: the hand-off's fixed part per round (e, h), its K/V part per committed token, the first
   reply, and the tree message per round.
 - Verifier passes per output token (prefill included; none for the SLM alone), drafter time per
-  round (for the SLM alone: per token, its delivery reference).
+  round (for the SLM alone: per token, its delivery reference); with proactive drafting, its time
+  per round and the share of its bets the verifier's reply made good.
 - How much the epsilon rule can add: the mean count of tokens with p~ >= epsilon per tree row
   (root included; every row the verifier evaluated), the mean top probability per row, and the
   share of committed tokens the verifier did not sample (accepted by the threshold alone; 0 under
@@ -62,6 +63,10 @@ def summarize(logs: list[DecodeLog], keep_ids: np.ndarray | None, chain_depth: i
         "verifier_passes_per_output_token": _share(sum(len(log.rounds) + 1 for log in logs if log.verified),
                                                    output_tokens),
         "drafter_ms_per_round": 1e3 * _avg([r.draft_s for r in rounds]),
+        # proactive drafting (specedge-pd): its time per round, off the critical path while the
+        # reply is in flight, and the share of its bets won (the next tree started from the bet)
+        "pd_ms_per_round": 1e3 * _avg([r.pd_s for r in rounds]),
+        "pd_win_share": _share(sum(log.pd_wins for log in logs), sum(log.pd_bets for log in logs)),
     }
 
 

@@ -13,7 +13,7 @@ PAPER_MAT = {"cloud-mtp": 3.05, "specedge": 3.53, "specedge-eps": 4.13, "hyco": 
 
 COLUMNS = ["config", "label", "rule", "mat", "mat_ci95", "mat_sd_runs", "tokens_ge_eps_row", "top_p_row", "unsampled_share", "chain_k1",
            "chain_kK", "share_chain", "share_sibling", "share_slm", "bonus_outside_keep", "handoff_B_round",
-           "kv_B_token", "tree_B_round", "passes_per_token", "draft_ms_round", "output_tokens"]
+           "kv_B_token", "tree_B_round", "passes_per_token", "draft_ms_round", "pd_win_share", "output_tokens"]
 
 
 def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
@@ -53,7 +53,9 @@ def summary_markdown(report: dict[str, Any]) -> str:
           "rounds whose first 1 / K chain tokens were all accepted. share_*: accepted tokens by source. Bytes: "
           "hand-off e+h per round, its K/V per committed token, and the tree message per round (8-bit wire). Rule "
           "none (slm-alone): the SLM decodes by itself, one pass and one token a round (MAT 1 by construction), "
-          "nothing verified; its draft_ms_round is the host's time per token on these graphs, not a phone's.", "",
+          "nothing verified; its draft_ms_round is the host's time per token on these graphs, not a phone's. "
+          "pd_win_share (specedge-pd): the share of proactive bets (the best path accepted whole, its bonus "
+          "among the drafted children) whose drafting the next tree started from.", "",
           *_vacuity_warning(results, epsilon),
           *_workload_lines(settings, results),
           *_prompt_lines(settings),
@@ -131,6 +133,7 @@ def _row(name: str, r: dict) -> dict:
         "handoff_B_round": _blank(r["handoff_bytes_per_round"]), "kv_B_token": _blank(r["handoff_kv_bytes_per_committed_token"]),
         "tree_B_round": r["tree_bytes_per_round"], "passes_per_token": r["verifier_passes_per_output_token"],
         "draft_ms_round": r["drafter_ms_per_round"], "output_tokens": r["output_tokens"],
+        "pd_win_share": r["pd_win_share"] if r.get("pd_passes") else "",
     }
 
 

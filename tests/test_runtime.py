@@ -9,6 +9,7 @@ states (embeddings, hidden states, K/V) are compared at atol 1e-4 (no softcap, s
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -285,9 +286,13 @@ class ScriptedDrafter:
 
     def __init__(self, chains):
         self.chains, self.commits, self.wire = list(chains), [], []
+        self.bets = self.wins = 0
 
     def start(self, prompt, reply):
         pass
+
+    def proactive(self, tree):
+        return False
 
     def commit(self, tokens, reply):
         self.commits.append(tokens)
@@ -896,3 +901,59 @@ def test_slm_alone_is_the_slms_own_decoding(temperature):
         other = decode_alone(prompt, SlmTorch(model, keep_ids=keep, ring_full=1024, ring_sliding=512, max_prompt=1024),
                              topk=cfg.slm_topk, sampling=sampling, seed=9, max_new_tokens=24, eos_ids={1})
         assert other.tokens != want
+
+
+class ContextFreeSlm:
+    """An SLM whose children of token t are 2t+1 (log-prob -0.1 - 0.001 t) and 2t+2 (-2.0 - 0.002 t),
+    whatever came before: trees small enough to write out by hand."""
+
+    def __init__(self):
+        self.passes, self.committed = 0, []
+
+    def start(self, prompt):
+        pass
+
+    def commit(self, tokens):
+        self.committed += tokens
+
+    def propose(self, tree, nodes, topk):
+        self.passes += 1
+        return {n: ([2 * tree.tokens[n] + 1, 2 * tree.tokens[n] + 2][:topk],
+                    [-0.1 - 0.001 * tree.tokens[n], -2.0 - 0.002 * tree.tokens[n]][:topk]) for n in nodes}
+
+
+def test_proactive_drafting_starts_the_next_tree_from_a_won_bet_by_hand():
+    """specedge-pd on a hand-built case (1 pass a round, 2 proactive passes, budget 6, top-2).
+    Round 1 drafts 1 -> {3, 4}. The bet is the best path 1-3: pass one grows 3 -> {7, 8}, pass two
+    grows 7 -> {15, 16} and 8 -> {17, 18}; the trim to 6 drops 18, and the last pass's best new
+    nodes are 15 (-0.21) and 17 (-2.11, above 16's -2.12). Won (1-3 accepted, bonus 7): the next
+    tree starts from {7: 15, 16} and its pass grows the frontier under 7, 15 -> {31, 32}: depth 2
+    where SpecEdge-style has depth 1. Lost (another path, or a bonus the bet did not draft): the
+    next tree is drafted afresh."""
+    from hyco.runtime.verifier import Reply
+
+    cfg = replace(decode_config("specedge-pd", CheckConfig()), slm_passes=1, pd_passes=2, budget=6, slm_topk=2)
+    assert cfg.epsilon == 1.0 and decode_config("specedge-pd", CheckConfig(pd_passes=3)).pd_passes == 3
+
+    def round_one():
+        drafter = TreeDrafter(cfg, None, ContextFreeSlm())
+        tree = drafter.draft(1)
+        assert (tree.tokens, tree.parents) == ([1, 3, 4], [-1, 0, 0])
+        drafter.proactive(tree)
+        assert drafter.slm.passes == 3 and drafter.bets == 1
+        _, bet, leaf, frontier = drafter.bet
+        assert (bet.tokens, bet.parents) == ([1, 3, 7, 8, 15, 16, 17], [-1, 0, 1, 1, 2, 2, 3])
+        assert bet.tokens[leaf] == 3 and [bet.tokens[i] for i in frontier] == [15, 17]
+        return drafter
+
+    won = round_one()
+    won.commit([1, 3], Reply(7, None))
+    tree = won.draft(7)
+    assert won.wins == 1 and (tree.tokens, tree.parents) == ([7, 15, 16, 31, 32], [-1, 0, 0, 1, 1])
+    assert tree.nodes[3].score == pytest.approx((-0.1 - 0.007) + (-0.1 - 0.015))  # relative to the new root
+    assert won.slm.committed == [1, 3]  # the bet's tokens never entered the SLM's context
+    for tokens, bonus in (([1, 4], 9), ([1, 3], 99)):  # another path; the bet's path with an undrafted bonus
+        lost = round_one()
+        lost.commit(tokens, Reply(bonus, None))
+        tree = lost.draft(bonus)
+        assert lost.wins == 0 and (tree.tokens, tree.parents) == ([bonus, 2 * bonus + 1, 2 * bonus + 2], [-1, 0, 0])

@@ -11,7 +11,7 @@ from hyco.cli import main
 from hyco.recipe import CheckConfig
 from hyco.runtime.configs import decode_config
 
-CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp", "slm-alone"]
+CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "specedge-pd", "cloud-mtp", "slm-alone"]
 
 
 def write_recipe(path, family, **check):
@@ -52,7 +52,10 @@ def test_check_cli_writes_the_report_for_every_configuration(tiny_family, tmp_pa
             assert r["committed_unsampled_share"] == 0.0  # exact verification commits only samples
     # Every exact configuration's text was compared with the verifier's own (keyed sampling).
     exact = [n for n in CONFIGS if decode_config(n, CheckConfig()).epsilon >= 1 and not decode_config(n, CheckConfig()).alone]
-    assert list(report["lossless"]) == exact == ["hyco-exact", "specedge", "cloud-mtp"]
+    assert list(report["lossless"]) == exact == ["hyco-exact", "specedge", "specedge-pd", "cloud-mtp"]
+    pd = report["configs"]["specedge-pd"]  # its bets are counted; exact, so lossless like the others
+    assert 0.0 <= pd["pd_win_share"] <= 1.0 and pd["pd_ms_per_round"] > 0
+    assert report["configs"]["specedge"]["pd_ms_per_round"] == 0.0
     for name in exact:
         v = report["lossless"][name]
         assert v["prompts"] == 2 and 2 <= v["tokens_compared"] <= 2 * 8

@@ -11,11 +11,15 @@ the tiny recipe and the paper share one table:
 | hyco-2p    | phone, keep set, 1K | 4 | 1-2      | 2          | 32         | epsilon    |
 | specedge   | none                | 0 | -        | 4          | 32         | exact      |
 | specedge-eps | none              | 0 | -        | 4          | 32         | epsilon    |
+| specedge-pd | none               | 0 | -        | 4 + PD     | 32         | exact      |
 | cloud-mtp  | server, full vocab, whole prefix | 4 | - | 0     | 4          | exact      |
 | hyco-server-head | server, full vocab, whole prefix | 4 | 1-2 | 1 | 32       | epsilon    |
 | slm-alone  | none                | 0 | -        | 1 a token  | -          | none: no server |
 
-`slm-alone` is the paper's delivery reference: the SLM Drafter on the phone decodes by itself,
+`specedge-pd` is SpecEdge-style with proactive drafting: while a reply is in flight the phone bets
+on its best path and drafts `check.pd_passes` passes beyond it (`TreeDrafter.proactive`); when the
+verifier accepts that whole path and its bonus is one of the bet's children, the next tree starts
+from what was drafted under the bonus. `slm-alone` is the paper's delivery reference: the SLM Drafter on the phone decodes by itself,
 one pass a token, each token sampled from its own top-`slm_topk` (`decode.decode_alone`).
 
 `X@float` / `X@deployed`: configuration X with the phone's drafters on the other numerics
@@ -46,6 +50,7 @@ class DecodeConfig:
     slm_topk: int  # children the SLM proposes under each node it expands
     drafters: str = "deployed"  # the phone's numerics under backend onnxruntime (check.drafters)
     alone: bool = False  # the SLM decodes by itself: no server, no verification (slm-alone)
+    pd_passes: int = 0  # proactive drafting: SLM passes while the reply is in flight (specedge-pd)
 
 
 def _hybrid(check: CheckConfig, name: str, label: str, passes: int, epsilon: float,
@@ -67,6 +72,7 @@ CONFIGS = {
     "hyco-2p": lambda c: _hybrid(c, "hyco-2p", "HyCo-2P", 2, c.epsilon),
     "specedge": lambda c: _slm_only(c, "specedge", "SpecEdge-style", 1.0),
     "specedge-eps": lambda c: _slm_only(c, "specedge-eps", "SpecEdge-eps", c.epsilon),
+    "specedge-pd": lambda c: replace(_slm_only(c, "specedge-pd", "SpecEdge-style + PD", 1.0), pd_passes=c.pd_passes),
     "cloud-mtp": lambda c: DecodeConfig("cloud-mtp", "Cloud+MTP", c.chain_depth, True, (), 0, 1.0,
                                         c.chain_depth, c.rate, 0.0, c.slm_topk),
     # the paper's device head against its BF16 server head: the same hybrid tree, the head run by

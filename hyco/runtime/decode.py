@@ -33,6 +33,7 @@ class RoundLog:
     tree_nodes: int
     tree_bytes: int
     draft_s: float
+    pd_s: float = 0.0  # proactive drafting, done while the reply is in flight (specedge-pd)
 
     @property
     def committed(self) -> int:
@@ -49,6 +50,8 @@ class DecodeLog:
     wire_kv_rows: list[int] = field(default_factory=list)  # committed tokens each wire_kv entry covers
     first_reply_bytes: int = 0
     verified: bool = True  # False: the SLM alone decoded it (no verifier pass)
+    pd_bets: int = 0  # proactive drafting: bets made, and won (the next tree started from one)
+    pd_wins: int = 0
 
 
 def first_eos(tokens: list[int], eos_ids: set[int]) -> int | None:
@@ -69,6 +72,9 @@ def decode(prompt: list[int], verifier: ReferenceVerifier, drafter: TreeDrafter,
         start = time.perf_counter()
         tree = drafter.draft(out[-1])
         draft_s = time.perf_counter() - start
+        start = time.perf_counter()
+        drafted = drafter.proactive(tree)  # while the tree and the reply are on the link (False: no PD)
+        pd_s = time.perf_counter() - start if drafted else 0.0
         reply = verifier.verify_tree(tree, epsilon, generator)
         verdict = reply.verdict
         new = verdict.committed_tokens(tree)
@@ -85,12 +91,13 @@ def decode(prompt: list[int], verifier: ReferenceVerifier, drafter: TreeDrafter,
             unsampled=sum(not s for s in verdict.edge_sampled[:len(drafted)]),
             rows_at_epsilon=int((reply.probs.double() >= probe).sum()),  # compared as verify_epsilon does
             top_probability_sum=float(reply.probs.max(-1).values.sum()),
-            tree_nodes=len(tree) - 1, tree_bytes=tree.wire_bytes(), draft_s=draft_s,
+            tree_nodes=len(tree) - 1, tree_bytes=tree.wire_bytes(), draft_s=draft_s, pd_s=pd_s,
         ))
         if eos is not None:
             break
         drafter.commit([tree.nodes[i].token for i in verdict.path], reply)
     log.tokens = out[:max_new_tokens]
+    log.pd_bets, log.pd_wins = drafter.bets, drafter.wins
     wire = drafter.wire
     if wire:
         log.first_reply_bytes = wire[0].per_round + wire[0].kv

@@ -2,7 +2,8 @@
 
 A drafter sees what the phone sees: the prompt (at most `max_prompt` tokens of it), the hand-off
 replies, and the committed tokens. `start(prompt, reply)`, `draft(root) -> DraftTree`,
-`commit(tokens, reply)`; that is the whole interface the decode loop uses.
+`proactive(tree)` (drafting while the reply is in flight; specedge-pd), `commit(tokens, reply)`,
+and the counts `bets` / `wins` of proactive drafting: that is the whole interface the decode loop uses.
 
 Backends: the MTP chain and the SLM pass each have a float torch backend here (the fixture
 checkpoints through transformers; the chain through qat/mtp.py), and an onnxruntime backend on
@@ -115,6 +116,9 @@ class TreeDrafter:
             raise ValueError(f"{config.name}: needs {'an MTP head' if mtp is None else 'an SLM'}")
         self.config, self.mtp, self.slm = config, mtp, slm
         self.wire: list[WireCount] = []
+        self.bet: tuple[list[int], DraftTree, int, list[int]] | None = None  # proactive drafting's, see `proactive`
+        self.seed: tuple[DraftTree, list[int]] | None = None  # the next tree's start after a bet that won
+        self.bets = self.wins = 0
 
     def _receive(self, reply: Reply) -> None:
         count = self.mtp.receive(reply.handoff)
@@ -133,18 +137,41 @@ class TreeDrafter:
             self._receive(reply)
         if self.slm is not None:
             self.slm.commit(tokens)
+        if self.bet is not None:
+            path, bet, leaf, frontier = self.bet
+            bonus = bet.child_with_token(leaf, reply.root)
+            if tokens == path and bonus is not None:  # the whole bet accepted, its bonus drafted
+                self.wins += 1
+                seed, index = subtree(bet, bonus)
+                self.seed = seed, [index[i] for i in frontier if i in index] or [0]
+            self.bet = None
 
-    def draft(self, root: int) -> DraftTree:
+    def proactive(self, tree: DraftTree) -> bool:
+        """Proactive drafting (SpecEdge's PD), run while the verifier's reply is in flight: bet
+        that the verifier accepts the tree's best path (the highest-scoring child at each step)
+        and draft `pd_passes` SLM passes beyond its leaf, in the SLM's own context plus that path
+        (one tree of the path and what grows under its leaf, `budget` nodes). The bet's tokens
+        are never sent: `commit` keeps what grew under the bonus when the bet wins, and
+        `draft` goes on from there; a lost bet is dropped. Returns whether it drafted."""
         cfg = self.config
-        tree = DraftTree(root)
-        frontier = [0]
-        if cfg.mtp_depth:
-            # Runner-ups come from the chain's own top-2 at the sibling depths (section 3.1).
-            draft = self.mtp.propose(cfg.mtp_depth, topk=2)
-            runner_ups = {d: int(draft.topk_ids[d - 1, 1]) for d in cfg.sibling_depths if d <= cfg.mtp_depth}
-            plant_chain(tree, draft.tokens.tolist(), runner_ups, cfg.rate)
-            frontier = list(range(len(tree)))  # the root and every planted node
-        for _ in range(cfg.slm_passes):
+        if not cfg.pd_passes:
+            return False
+        path = best_path(tree)
+        bet, leaf = DraftTree(tree.nodes[0].token), 0
+        for i in path[1:]:
+            node = tree.nodes[i]
+            leaf = bet.add(leaf, node.token, node.score, node.source, node.chain_depth)
+        bet, leaf, frontier = self._expand(bet, [leaf], cfg.pd_passes, keep=leaf)
+        self.bet = [tree.nodes[i].token for i in path], bet, leaf, frontier
+        self.bets += 1
+        return True
+
+    def _expand(self, tree: DraftTree, frontier: list[int], passes: int, keep: int = 0) -> tuple[DraftTree, int, list[int]]:
+        """`passes` SLM passes, each over the best new nodes of the one before (from `frontier`),
+        the tree trimmed to the budget after each; returns the tree, node `keep`'s index in it
+        and the last pass's best new nodes."""
+        cfg = self.config
+        for _ in range(passes):
             proposals = self.slm.propose(tree, frontier, cfg.slm_topk)
             before = len(tree)
             for node, (tokens, logprobs) in proposals.items():
@@ -153,12 +180,50 @@ class TreeDrafter:
             # Nodes beyond the budget would be trimmed anyway (a child never outscores its
             # parent), so the next pass expands the best new nodes that survive the trim.
             tree, index = trim_with_map(tree, cfg.budget)
-            survivors = sorted({index[i] for i in added if i in index}, key=lambda i: -tree.nodes[i].score)
-            frontier = survivors[:cfg.slm_topk]
+            keep = index[keep]
+            frontier = sorted({index[i] for i in added if i in index}, key=lambda i: -tree.nodes[i].score)[:cfg.slm_topk]
             if not frontier:
                 break
+        return tree, keep, frontier
+
+    def draft(self, root: int) -> DraftTree:
+        cfg = self.config
+        tree = DraftTree(root)
+        frontier = [0]
+        if self.seed is not None:  # a proactive bet won: start from what was drafted under this root
+            (tree, frontier), self.seed = self.seed, None
+            if tree.nodes[0].token != root:
+                raise ValueError(f"proactive drafting's seed is rooted at {tree.nodes[0].token}, not at {root}")
+        if cfg.mtp_depth:
+            # Runner-ups come from the chain's own top-2 at the sibling depths (section 3.1).
+            draft = self.mtp.propose(cfg.mtp_depth, topk=2)
+            runner_ups = {d: int(draft.topk_ids[d - 1, 1]) for d in cfg.sibling_depths if d <= cfg.mtp_depth}
+            plant_chain(tree, draft.tokens.tolist(), runner_ups, cfg.rate)
+            frontier = list(range(len(tree)))  # the root and every planted node
+        if cfg.slm_passes:
+            tree, _, _ = self._expand(tree, frontier, cfg.slm_passes)
         tree, _ = trim_with_map(tree, cfg.budget)
         return tree
+
+
+def best_path(tree: DraftTree) -> list[int]:
+    """From the root, the highest-scoring child at each step (the earlier node on a tie): the
+    path the drafter holds likeliest, which proactive drafting bets on."""
+    path = [0]
+    while children := tree.children(path[-1]):
+        path.append(max(children, key=lambda i: (tree.nodes[i].score, -i)))
+    return path
+
+
+def subtree(tree: DraftTree, top: int) -> tuple[DraftTree, dict[int, int]]:
+    """The nodes under `top`, rooted at it, their scores relative to its own; and the map from
+    their indices in `tree` to the new ones."""
+    out, index, base = DraftTree(tree.nodes[top].token), {top: 0}, tree.nodes[top].score
+    for i in range(top + 1, len(tree)):
+        node = tree.nodes[i]
+        if node.parent in index:
+            index[i] = out.add(index[node.parent], node.token, node.score - base, node.source, node.chain_depth)
+    return out, index
 
 
 BACKENDS = ("torch", "onnxruntime", "qnn")
