@@ -390,20 +390,29 @@ def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampli
     """Each question's turns as prompts, with the verifier's keyed reference text for each: a second
     turn is asked after the verifier's own answer to the first (its reference text, decoded), as in
     MT-bench. Returns prompt ids, references (tokens, logits) and per prompt its question, category
-    and turn."""
-    prompt_ids, reference, items = [], [], []
-    for q in progress(questions, desc="reference texts", leave=False):
-        messages = []
+    and turn. Under `accelerate launch` each process answers its share of the questions (a
+    question's turns stay together: the second follows the first's answer); every prompt keeps its
+    place, and so its sampling seed, in the whole workload's order."""
+    from hyco.launch import in_order, my_positions
+
+    firsts = np.cumsum([0] + [len(q.turns) for q in questions])  # each question's first prompt index
+
+    def answer(j: int) -> list[tuple[list[int], tuple, dict]]:
+        q, messages, out = questions[j], [], []
         for turn, text in enumerate(q.turns, 1):
             messages.append({"role": "user", "content": text})
             ids = chat_ids(tok, messages)
             ref = keyed_generate(verifier_model, ids, config.max_new_tokens, sampling,
-                                 keyed_seed(config, len(prompt_ids)), eos)
-            prompt_ids.append(ids)
-            reference.append(ref)
-            items.append({"question_id": q.question_id, "category": q.category, "turn": turn})
+                                 keyed_seed(config, int(firsts[j]) + turn - 1), eos)
+            out.append((ids, ref, {"question_id": q.question_id, "category": q.category, "turn": turn}))
             messages.append({"role": "assistant", "content": tok.decode(ref[0], skip_special_tokens=True)})
-    return prompt_ids, reference, items
+        return out
+
+    mine = my_positions(len(questions))
+    answered = in_order([(j, answer(j)) for j in progress(mine, desc="reference texts", leave=False)],
+                        len(questions), "check (reference texts)")
+    turns = [t for per_question in answered for t in per_question]
+    return [t[0] for t in turns], [t[1] for t in turns], [t[2] for t in turns]
 
 
 def _per_question(logs: list[DecodeLog], items: list[dict]) -> tuple[np.ndarray, np.ndarray]:

@@ -64,8 +64,15 @@ def test_answers_split_over_two_processes_are_one_process_bytes(ladder, tmp_path
     assert differences(tmp_path / "one", tmp_path / "two") == []
 
 
-def test_check_split_over_two_processes_has_one_process_figures(ladder, tmp_path):
-    overrides = [*LADDER, "check.prompts=3", "check.max_new_tokens=10", "check.configs=[hyco,hyco-exact]"]
+SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec-bench" / "question.jsonl"
+
+
+@pytest.mark.parametrize("workload", [[], ["check.workload.schema=spec-bench", f"check.workload.source={SPEC_BENCH}"]],
+                         ids=["chat", "spec-bench"])
+def test_check_split_over_two_processes_has_one_process_figures(ladder, tmp_path, workload):
+    """Chat prompts, and a file workload whose questions (both turns of one together) are answered
+    by the process whose share they are."""
+    overrides = [*LADDER, "check.prompts=3", "check.max_new_tokens=10", "check.configs=[hyco,hyco-exact]", *workload]
     args = ["check", "--recipe", str(RECIPE), "--run-dir", str(ladder), *set_args(overrides)]  # reads it only
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     proc = launch([*args, "--out", str(tmp_path / "two")])
@@ -74,7 +81,7 @@ def test_check_split_over_two_processes_has_one_process_figures(ladder, tmp_path
     assert output.count("MAT per configuration") == 1, output[-3000:]
     assert json.loads((tmp_path / "two" / "manifest.json").read_text())["processes"] == 2
     one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
-    assert one["settings"]["prompts"] == 3 and one["lossless"]["hyco-exact"]["equal"]
+    assert one["settings"]["prompts"] == (3 if not workload else 6) and one["lossless"]["hyco-exact"]["equal"]
     assert differences(tmp_path / "one", tmp_path / "two") == []
 
 
