@@ -74,13 +74,18 @@ def text_model(verifier: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's inputs go: its input embedding's device (accelerate's hooks move them on
+    from there); an embedding offloaded to disk sits on meta, and its hook takes CPU inputs."""
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 @torch.no_grad()
 def embed_tokens(verifier: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    """e(x) exactly as the assistant consumes it: the verifier's scaled input embedding (on the
-    embedding's device; an offloaded one sits on meta and its hook brings it in)."""
-    table = verifier.get_input_embeddings()
-    device = table.weight.device
-    return table(token_ids.to(device) if device.type != "meta" else token_ids)
+    """e(x) exactly as the assistant consumes it: the verifier's scaled input embedding, on the
+    embedding's device."""
+    return verifier.get_input_embeddings()(token_ids.to(input_device(verifier)))
 
 
 @torch.no_grad()

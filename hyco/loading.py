@@ -570,14 +570,18 @@ def preflight(path: str | Path) -> None:
 SERVER_QUANT = {"awq": ("gptqmodel",), "gptq": ("optimum", "gptqmodel"), "compressed-tensors": ("compressed_tensors",)}
 
 
-def quant_method(folder: str | Path, what: str = "model") -> str | None:
-    """The checkpoint's `quantization_config.quant_method` (top level or its text config), or None
-    (also without a config.json: the loader then says what is missing)."""
-    if not (Path(folder) / "config.json").is_file():
-        return None
-    config = read_json(Path(folder) / "config.json", f"{what} config.json")
+def config_quant_method(config: dict[str, Any]) -> str | None:
+    """A config.json's `quantization_config.quant_method` (top level or its text config), or None."""
     text = config.get("text_config") or {}
     return (config.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method")
+
+
+def quant_method(folder: str | Path, what: str = "model") -> str | None:
+    """`config_quant_method` of the checkpoint in `folder` (None also without a config.json: the
+    loader then says what is missing)."""
+    if not (Path(folder) / "config.json").is_file():
+        return None
+    return config_quant_method(read_json(Path(folder) / "config.json", f"{what} config.json"))
 
 
 def check_server_quant(folder: str | Path, method: str, what: str = "the verifier") -> None:
@@ -588,11 +592,10 @@ def check_server_quant(folder: str | Path, method: str, what: str = "the verifie
     if method not in SERVER_QUANT:
         raise HycoError(f"{Path(folder) / 'config.json'}: {what} must be a float checkpoint or quantized with one "
                         f"of {', '.join(SERVER_QUANT)}, but its quant_method is {method!r}")
-    missing = [p for p in SERVER_QUANT[method] if importlib.util.find_spec(p) is None]
+    missing = [p.replace("_", "-") for p in SERVER_QUANT[method] if importlib.util.find_spec(p) is None]
     if missing:
-        names = " and ".join(p.replace("_", "-") for p in missing)
         raise HycoError(f"{Path(folder) / 'config.json'}: {what} is quantized with {method!r}; transformers needs "
-                        f"the {names} package to load it (pip install {' '.join(p.replace('_', '-') for p in missing)})")
+                        f"the {' and '.join(missing)} package to load it (pip install {' '.join(missing)})")
 
 
 def load_verifier(folder: str | Path, placement, what: str = "verifier"):

@@ -66,18 +66,17 @@ def checkpoint_bytes(folder: Path) -> int:
 def check_model(role: str, folder: Path) -> int:
     """`folder` laid out as the `role` needs: config model type (and quantization method), index
     and shard headers whole, the tensors the stages read present. Returns its weight bytes."""
-    from hyco.loading import checkpoint_files, read_json
+    from hyco.loading import checkpoint_files, config_quant_method, read_json
 
     if not folder.is_dir():
         raise HycoError(f"models.{role}: {folder} not found")
     config = read_json(folder / "config.json", f"{role} config.json")
     want = ROLES[role]
-    text = config.get("text_config", config)
     kind = config.get("model_type")
     if kind not in want["model_types"]:
         raise HycoError(f"{folder / 'config.json'}: models.{role} must be a {' or '.join(want['model_types'])} "
                         f"checkpoint, but its model_type is {kind!r}")
-    method = (config.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method")
+    method = config_quant_method(config)
     if want["quant_method"] is not None and method != want["quant_method"]:
         raise HycoError(f"{folder / 'config.json'}: models.{role} must be in the QAT mobile format (quant_method "
                         f"{want['quant_method']!r}), but got {method!r}")

@@ -155,8 +155,8 @@ def keyed_generate(verifier, prompt: list[int], max_new_tokens: int, sampling: S
     verification must commit. Its tokens and raw logits per step."""
     from transformers import DynamicCache
 
+    from hyco.handoff import input_device
     from hyco.runtime.acceptance import keyed_samples
-    from hyco.runtime.tree_pass import input_device
 
     cache = DynamicCache(config=verifier.config.get_text_config())
     device = input_device(verifier)

@@ -63,6 +63,8 @@ def vary(src: Path, dst: Path, *, seed: int = 0, weight_gain: float = 1.0, norm_
     without retraining would hold: down_proj's output, which shrinks as gain^3 through the gated
     MLP, then uses a few of its 255 codes); "refit": every SRQ scale measured again on the varied
     model (`refit_srq`), as quantization-aware training would have fitted it."""
+    if srq not in ("scale", "refit"):
+        raise ValueError(f"srq must be 'scale' or 'refit', but got {srq!r}")
     g = torch.Generator().manual_seed(seed)
     dst.mkdir(parents=True)
     for shard in sorted(src.glob("*.safetensors")):

@@ -19,8 +19,9 @@ the tiny recipe and the paper share one table:
 `specedge-pd` is SpecEdge-style with proactive drafting: while a reply is in flight the phone bets
 on its best path and drafts `check.pd_passes` passes beyond it (`TreeDrafter.proactive`); when the
 verifier accepts that whole path and its bonus is one of the bet's children, the next tree starts
-from what was drafted under the bonus. `slm-alone` is the paper's delivery reference: the SLM Drafter on the phone decodes by itself,
-one pass a token, each token sampled from its own top-`slm_topk` (`decode.decode_alone`).
+from what was drafted under the bonus. `slm-alone` is the paper's delivery reference: the SLM
+Drafter on the phone decodes by itself, one pass a token, each token sampled from its own
+top-`slm_topk` (`decode.decode_alone`).
 
 `X@float` / `X@deployed`: configuration X with the phone's drafters on the other numerics
 (check.drafters; backend onnxruntime), so the report pairs X with its float twin.

@@ -64,7 +64,7 @@ def draft_chain(head: nn.Module, embed_fn, start: StepInput, depth: int, topk: i
         tokens.append(token)
         ids.append(top_vocab)
         logprobs.append(top_lp)
-        embed = embed_fn(token.reshape(1).to(start.embed.device))[0].float().to(start.embed.device)
+        embed = embed_fn(token.reshape(1).to(start.embed.device))[0].float()
     return Draft(torch.stack(tokens).cpu(), torch.stack(ids).cpu(), torch.stack(logprobs).cpu())
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from hyco.handoff import input_device
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -33,13 +35,6 @@ class PassOutput:
     hidden_after_norm: torch.Tensor  # [n, H]: transformers' hidden_states[-1], what its MTP generator feeds
     hidden_before_norm: torch.Tensor  # [n, H]: the paper's h_t (section 3.1, appendix)
     shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (k, v) [kv_heads, n, head_dim]
-
-
-def input_device(model) -> torch.device:
-    """Where a pass's inputs go: the input embedding's device (accelerate's hooks move them on
-    from there); an embedding offloaded to disk sits on meta, and its hook takes CPU inputs."""
-    device = model.get_input_embeddings().weight.device
-    return torch.device("cpu") if device.type == "meta" else device
 
 
 class CachedTreeModel:
