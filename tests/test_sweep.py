@@ -56,6 +56,10 @@ VARIANTS = {
     "b-confident-4x": ("trained-b-seed1", {"logit_scale": 4.0}, 1),
     "b-weights-0.5x-spread": ("trained-b-seed1", {"weight_gain": 0.5, "norm_spread": 0.3}, 1),
 }
+# Issue 37's finding at weights 0.3x: the loss is down_proj's SRQ, scaled with the weights while its
+# output shrank ~16x (14-16 of 255 codes), not a 16-bit grid. So that variant is refused naming the
+# SRQ, and the same weights with their SRQ fitted again are faithful.
+EXPECTED = {"weights-0.3x": "refused, its SRQ named", "weights-0.3x-srq-fit": "faithful"}
 RUN = list(VARIANTS) if os.environ.get("HYCO_SWEEP") == "all" else list(VARIANTS)[:5]
 SIZES = ["vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
          "vocab.reserved_eval=4", "convert.parity=false", "qat.steps=2", "qat.calibration_sequences=1",
@@ -161,5 +165,7 @@ def test_every_variant_is_faithful_or_refused_and_no_broken_graph_passes_smoke(v
     assert not broken or "op by op" in failed, row
     if broken:  # what a user shipping it anyway would meet: smoke must not pass it
         assert row["smoke_passed"] is False, row
-    if variant in TRAINED:
+    if variant in TRAINED or EXPECTED.get(variant) == "faithful":
         assert failed is None and row["exit"] == 0 and row["smoke_passed"], row
+    if EXPECTED.get(variant) == "refused, its SRQ named":
+        assert failed and "int8 output quantizer (SRQ)" in failed, row
