@@ -1,15 +1,16 @@
-"""Per-pass cost of the deployed drafters as check runs them (`check.drafters: deployed`: the QDQ
-graphs on onnxruntime CPU through `hyco.ort.ort_session`), and the phone-side wall time of a real
-SB-480 check they project.
+"""Per-pass cost of the deployed drafters as check runs them (`check.drafters: deployed`: the
+bundle's QDQ graphs), by each executor check can use, and the wall time of a real SB-480 check's
+drafter passes they project.
 
-    .venv/bin/python bench/bench_deployed.py --calibrate DIR [--passes N] [--out FILE]
+    .venv/bin/python bench/bench_deployed.py --calibrate DIR [--passes N] [--executors LIST] [--out FILE]
 
 DIR: a calibrate stage's folder (its deployable `*.qdq.onnx` graphs and `io_spec.json`), e.g. the
 full-size dry run's at E2B shapes (`bench/bench_fullsize.py ... --stages vocab,answers,convert,qat,calibrate`).
-Each graph is opened as check opens it (optimisations off: SRQ rounding depends on summation
-order), and again with onnxruntime's optimisations on (timing only: those are not the numerics
-check holds), then run `passes` times on example feeds of its io_spec
-shapes; the median pass is kept.
+Executors: `onnxruntime` (CPU, optimisations off: SRQ rounding depends on summation order; the
+reference), `onnxruntime+opt` (timing only: not the numerics check holds), `torch:cpu` and
+`torch:cuda` (hyco/qdq_torch.py, `check.deployed_executor: torch`; on CUDA one pass is a replayed
+CUDA graph). Each graph runs `passes` times on example feeds of its io_spec shapes; the median
+pass is kept, outputs copied back to the host.
 
 The projection: SB-480 is 480 questions, 560 prompts with MT-bench's second turns, each capped at
 1,024 output tokens (an upper bound: answers that end sooner take fewer rounds). A configuration
@@ -53,27 +54,43 @@ def example_feeds(spec, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return feeds
 
 
-def time_graph(path: Path, spec, *, optimize: bool, passes: int) -> dict:
-    """One session as check opens it (every core of this machine), its median pass."""
-    from hyco.ort import ort_session
+def open_graph(path: Path, executor: str, shared: dict):
+    """A session as check opens it: onnxruntime CPU (optimisations off, or on for timing only), or
+    the torch executor (hyco/qdq_torch.py) on a device, a CUDA graph replayed on a GPU."""
+    if executor.startswith("onnxruntime"):
+        from hyco.ort import ort_session
+
+        return ort_session(path, optimize=executor.endswith("+opt"))
+    from hyco.qdq_torch import TorchGraph
+
+    device = executor.split(":", 1)[1]
+    return TorchGraph(path, device=device, shared=shared, cuda_graph=device.startswith("cuda"))
+
+
+def time_graph(path: Path, spec, *, executor: str, passes: int, shared: dict) -> dict:
+    """One graph's median pass (every core of this machine)."""
+    import torch
 
     start = time.perf_counter()
-    session = ort_session(path, optimize=optimize)
+    session = open_graph(path, executor, shared)
     load_s = time.perf_counter() - start
     feeds = example_feeds(spec, np.random.default_rng(0))
-    names = [o.name for o in session.get_outputs()]
-    session.run(names, feeds)  # warm-up: the arena and the packed weights
+    names = [t.name for t in spec.outputs]
+    session.run(names, feeds)  # warm-up: the arena and the packed weights (a CUDA graph's capture)
     times = []
     for _ in range(passes):
         start = time.perf_counter()
-        session.run(names, feeds)
+        session.run(names, feeds)  # outputs come back to the host: the time includes the copy
         times.append(time.perf_counter() - start)
-    return {"load_s": round(load_s, 2), "median_ms": round(1e3 * statistics.median(times), 2),
-            "min_ms": round(1e3 * min(times), 2), "passes": passes}
+    out = {"load_s": round(load_s, 2), "median_ms": round(1e3 * statistics.median(times), 2),
+           "min_ms": round(1e3 * min(times), 2), "passes": passes}
+    if executor.startswith("torch:cuda"):
+        out["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
 
 
 def project(ms: dict[str, float], prefill_rows: int, max_prompt: int, prompt_tokens: int) -> dict[str, dict]:
-    """Phone-side hours of an SB-480 check per configuration, from per-pass milliseconds."""
+    """Hours of an SB-480 check's drafter passes per configuration, from per-pass milliseconds."""
     prefill_chunks = math.ceil(min(prompt_tokens, max_prompt) / prefill_rows)
     out = {}
     for name, (slm, mtp, mat) in CONFIGS.items():
@@ -93,21 +110,27 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=300, help="mean prompt length assumed for prefill")
     parser.add_argument("--max-prompt", type=int, default=1024, help="convert.max_prompt")
+    parser.add_argument("--executors", default="onnxruntime,onnxruntime+opt,torch:cpu",
+                        help="comma-separated: onnxruntime (as check runs it), onnxruntime+opt (timing only), "
+                             "torch:cpu, torch:cuda")
     parser.add_argument("--out", type=Path, help="JSON report (default: print only)")
     args = parser.parse_args()
     specs = read_io_spec(args.calibrate / "io_spec.json")
     rows, timings = {}, {}
-    for optimize in (False, True):
+    executors = args.executors.split(",")
+    for executor in executors:
+        shared: dict = {}  # the torch executor's tree and prefill share their folded weights
         for graph, name in GRAPHS.items():
-            t = time_graph(args.calibrate / name, specs[name], optimize=optimize, passes=args.passes)
-            timings[f"{graph}{'+opt' if optimize else ''}"] = t
-            print(f"{graph:9s} optimisations {'on ' if optimize else 'off'}: median {t['median_ms']:9.1f} ms "
-                  f"(min {t['min_ms']:.1f}), open {t['load_s']:.1f} s", flush=True)
+            t = time_graph(args.calibrate / name, specs[name], executor=executor, passes=args.passes, shared=shared)
+            timings[f"{graph}@{executor}"] = t
+            print(f"{graph:9s} {executor:16s}: median {t['median_ms']:9.1f} ms (min {t['min_ms']:.1f}), "
+                  f"open {t['load_s']:.1f} s", flush=True)
+        del shared
     prefill_rows = specs[GRAPHS["prefill"]].meta["rows"]
-    for tag in ("", "+opt"):
-        ms = {g: timings[g + tag]["median_ms"] for g in GRAPHS}
-        rows[tag or "as check runs them"] = project(ms, prefill_rows, args.max_prompt, args.prompt_tokens)
-    print(f"\nSB-480 ({PROMPTS} prompts x at most {CAP} tokens; paper MATs), phone-side hours on this CPU:")
+    for executor in executors:
+        ms = {g: timings[f"{g}@{executor}"]["median_ms"] for g in GRAPHS}
+        rows[executor] = project(ms, prefill_rows, args.max_prompt, args.prompt_tokens)
+    print(f"\nSB-480 ({PROMPTS} prompts x at most {CAP} tokens; paper MATs), drafter-pass hours on this machine (the verifier not included):")
     for tag, table in rows.items():
         print(f"  {tag}: " + ", ".join(f"{n} {v['hours']:.1f} h" for n, v in table.items())
               + f"; all {sum(v['hours'] for v in table.values()):.1f} h")

@@ -287,9 +287,37 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class TimingConfig:
+    """What check's Table 2 / Table 11 are computed with (runtime_check/costs.py): the server
+    sweep on the verifier's device, the phone's per-pass figures (a device profile, the bundle's AI
+    Hub report, or the weight-bandwidth floor), and the network."""
+
+    enabled: bool = True
+    network: Literal["lte-ca", "5g-nsa"] = "lte-ca"
+    rtt_ms: float | None = None  # replace the preset's figures
+    up_mbps: float | None = None
+    down_mbps: float | None = None
+    phone_profile: str | None = None  # JSON: {"graphs": {"tree": {"median_ms": ...}, ...}} (phone_timing.py)
+    hub_report: str | None = None  # `export --hub`'s hub.json
+    # The weight floor's memory bandwidth: SM8850's LPDDR5X peaks near 85 GB/s; 60 is an assumed
+    # sustained figure, said with every number made from it
+    phone_bandwidth_gbs: float = 60.0
+    sweep_repeats: int = 5
+
+    def __post_init__(self):
+        for name in ("rtt_ms", "up_mbps", "down_mbps"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"check.timing.{name} must be > 0, but got {value}")
+        _require(self.phone_bandwidth_gbs > 0,
+                 f"check.timing.phone_bandwidth_gbs must be > 0, but got {self.phone_bandwidth_gbs}")
+        _require(self.sweep_repeats >= 3, f"check.timing.sweep_repeats must be >= 3, but got {self.sweep_repeats}")
+
+
+@dataclass(frozen=True)
 class CheckConfig:
     configs: tuple[str, ...] = ("hyco", "hyco-exact", "hyco-2p", "specedge", "cloud-mtp")
     workload: WorkloadConfig = WorkloadConfig()
+    timing: TimingConfig = TimingConfig()
     bootstrap_resamples: int = 2000  # question-level bootstrap of MAT and paired MAT differences
     runs: int = 1  # sampling runs, each with its own seed: MAT is their mean, with their SD
     prompts: int = 60
@@ -300,6 +328,11 @@ class CheckConfig:
     # smoke), or `float`, convert's graphs and qat's step graph. A configuration named `X@float`
     # (or `X@deployed`) runs X with the other numerics, for the paired difference in the report.
     drafters: Literal["deployed", "float"] = "deployed"
+    # What runs the deployed QDQ graphs: onnxruntime CPU (the reference), or torch
+    # (hyco/qdq_torch.py: the same ops written out, tests/test_qdq_torch.py holds it to
+    # onnxruntime) on `deployed_device`; auto: torch where there is a CUDA device, else onnxruntime.
+    deployed_executor: Literal["auto", "onnxruntime", "torch"] = "auto"
+    deployed_device: str = "auto"  # torch's device: auto (the first GPU, else the CPU), cpu, cuda, cuda:N
     temperature: float = 1.0
     top_k: int = 64
     top_p: float = 0.95

@@ -57,8 +57,21 @@ def phone_mtp(cfg: DecodeConfig) -> bool:
 
 
 def deployed(cfg: DecodeConfig, check: CheckConfig) -> bool:
-    """The phone's drafters on the export bundle's QDQ graphs on onnxruntime CPU."""
+    """The phone's drafters on the export bundle's QDQ graphs (onnxruntime CPU, or torch)."""
     return check.backend == "onnxruntime" and cfg.drafters == "deployed"
+
+
+def deployed_executor(check: CheckConfig) -> tuple[str, str]:
+    """(bundle_sessions backend, torch device) for the deployed graphs: `auto` is torch on a CUDA
+    device where there is one (seconds become milliseconds a pass at E2B shapes), else onnxruntime."""
+    from hyco.qdq_torch import torch_device
+
+    executor = check.deployed_executor
+    if executor == "auto":
+        executor = "torch" if torch.cuda.is_available() else "onnxruntime"
+    if executor == "onnxruntime":
+        return "cpu", "cpu"
+    return "torch", str(torch_device(check.deployed_device))
 
 
 def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier, head, slm, keep_ids,
@@ -70,7 +83,8 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
     if deployed(cfg, check):  # the bundle's reference QDQ graphs, through the qnn backend's drafters
         from hyco.runtime.qnn_backend import bundle_sessions, mtp_qnn, slm_qnn
 
-        cpu = bundle_sessions(bundle_dir, backend="cpu", isolate=False)
+        backend, device = deployed_executor(check)
+        cpu = bundle_sessions(bundle_dir, backend=backend, isolate=False, device=device)
     if phone_mtp(cfg) and cpu is not None:
         mtp = mtp_qnn(bundle_dir, keep_ids=keep_ids, window=phone.mtp_window, capture_point=phone.capture_point,
                       quantize_wire=wire, sessions=cpu)
@@ -105,6 +119,33 @@ def build_drafter(cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, 
         drafter_slm = SlmTorch(slm, keep_ids=keep_ids, ring_full=phone.ring_full, ring_sliding=phone.ring_sliding,
                                max_prompt=phone.max_prompt)
     return TreeDrafter(cfg, mtp, drafter_slm)
+
+
+def measure_costs(all_logs: dict[str, list[DecodeLog]], configs: list[DecodeConfig], check: CheckConfig,
+                  phone: PhoneShapes, *, verifier_model, head, model_dirs: list[Path], vocab: int,
+                  bundle_dir: Path | None) -> tuple[dict, dict]:
+    """Table 2 / Table 11's inputs and tables (runtime_check/costs.py): the server sweep on the
+    verifier's own device (cached), the phone's figures from the recipe's profile, hub report or
+    the bundle's weight floor, and the network."""
+    from hyco.runtime_check.costs import costs_inputs, setting_of, tables
+
+    from hyco.io_spec import GRAPHS, read_io_spec
+    from hyco.runtime.phone_timing import phone_times
+    from hyco.runtime.server_timing import Grid, server_times
+    from hyco.runtime.timing import network
+
+    t = check.timing
+    dtype = str(next(verifier_model.parameters()).dtype)
+    server = server_times(verifier_model, head, Grid(repeats=t.sweep_repeats), vocab=vocab, model_dirs=model_dirs,
+                          dtype=dtype)
+    rows = 1
+    if bundle_dir is not None and (Path(bundle_dir) / "io_spec.json").is_file():
+        rows = read_io_spec(Path(bundle_dir) / "io_spec.json")[GRAPHS["prefill"]].meta["rows"]
+    phone_figures = phone_times(bundle_dir, profile=t.phone_profile, hub_json=t.hub_report,
+                                bandwidth_gbs=t.phone_bandwidth_gbs, prefill_rows=rows)
+    link = network(t.network, t.rtt_ms, t.up_mbps, t.down_mbps)
+    inputs = costs_inputs(all_logs, configs, server, phone_figures, link, t.network, phone.max_prompt)
+    return inputs, tables(inputs, setting_of(inputs))
 
 
 def handoff_window(cfg: DecodeConfig, phone: PhoneShapes) -> int | None:
@@ -352,14 +393,20 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                                   "first_divergence": next((v["first_divergence"] for v in verdicts if not v["equal"]), None),
                                   "accepted_draft_tokens": sum(len(r.accepted_sources) for g in logs for r in g.rounds)}
     _, prompt_ids, reference, items, _ = runs[0]
+    costs = None
+    if config.timing.enabled and out is not None:
+        costs = measure_costs(all_logs, decode_configs, config, phone, verifier_model=verifier_model, head=head,
+                              model_dirs=[Path(verifier), Path(assistant)], vocab=vocab_size, bundle_dir=bundle_dir)
     graphs = config.backend == "onnxruntime"
     backends = {"slm": "onnxruntime (convert/ graphs)" if graphs else "torch float",
                 "mtp": "onnxruntime (qat/ mtp_step.onnx, INT4)" if graphs else "torch float (qat/mtp.py)",
                 "verifier": f"transformers, {where(verifier_model)}"}
     if graphs and config.drafters == "deployed":
-        backends.update(slm="onnxruntime CPU on the export bundle's tree/prefill QDQ graphs (16-bit activations, "
+        backend, device = deployed_executor(config)
+        runner = "onnxruntime CPU" if backend == "cpu" else f"torch on {device} (hyco/qdq_torch.py)"
+        backends.update(slm=f"{runner} on the export bundle's tree/prefill QDQ graphs (16-bit activations, "
                             "8-bit KV rings: deployed numerics)",
-                        mtp="onnxruntime CPU on the export bundle's mtp_step QDQ graph (deployed numerics)")
+                        mtp=f"{runner} on the export bundle's mtp_step QDQ graph (deployed numerics)")
     if config.backend == "qnn":
         backends.update(slm="QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)",
                         mtp="QNN HTP (export bundle's mtp_step context binary; x86 simulator)")
@@ -372,7 +419,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                 "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
                 "models": {"verifier": str(verifier), "assistant": str(assistant), "slm": str(slm)}}
-    return write_report(Path(out), results, settings, lossless) if out is not None else {}
+    return write_report(Path(out), results, settings, lossless, costs) if out is not None else {}
 
 
 def where(model) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hyco.artifacts import StageEnd, finish_stage, markdown_table
+from hyco.runtime_check.costs import INPUTS, plot_figure1
+from hyco.runtime_check.costs import markdown as costs_markdown
+
+from hyco.artifacts import StageEnd, finish_stage, markdown_table, write_json
 
 # Paper, Table 2 (SB-480, Gemma 4 26B-A4B with its real drafters). Shown in a table of its own:
 # the fixture's models are tiny distilled stand-ins, so their MATs are not comparable with these.
@@ -17,20 +20,29 @@ COLUMNS = ["config", "label", "rule", "mat", "mat_ci95", "mat_sd_runs", "tokens_
 
 
 def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
-                 lossless: dict[str, dict] | None = None) -> dict[str, Any]:
+                 lossless: dict[str, dict] | None = None, costs: tuple[dict, dict] | None = None) -> dict[str, Any]:
     """report.json, summary.md and check.png through the stage ending; returns the manifest's
     summary. `lossless`: per exact configuration, `check.compare_with_generate`'s verdict against
     the verifier's own keyed-sampled text (`check.keyed_generate`)."""
     out.mkdir(parents=True, exist_ok=True)
     lossless = lossless or {}
     report = {"settings": settings, "configs": results, "lossless": lossless, "paper_mat_sb480": PAPER_MAT}
+    plots = {"check.png": lambda path: _plot(path, results)}
+    varies = [("summary.md", "prints the drafters' measured milliseconds per round and the measured server times",
+               None)]
+    if costs is not None:
+        inputs, report["costs"] = costs
+        write_json(out / INPUTS, inputs)
+        plots["figure1.png"] = lambda path: plot_figure1(path, report["costs"])
+        varies += [("report.json", "Table 2 / 11 from the server's measured pass times", ["/costs"]),
+                   (INPUTS, "the server's measured pass times", ["/server"]),
+                   ("figure1.png", "drawn from the measured times", None)]
     summary = {"configs": {name: {"mat": r["mat"], "output_tokens": r["output_tokens"],
                                   **({"lossless": lossless[name]["equal"]} if name in lossless else {})}
                            for name, r in results.items()}}
     # no proof that stops the stage: a lossless verdict of False is the finding this stage reports
     return finish_stage("check", out, StageEnd(
-        report, summary_markdown, summary, plots={"check.png": lambda path: _plot(path, results)},
-        nondeterministic=[("summary.md", "prints the drafters' measured milliseconds per round", None)]),
+        report, summary_markdown, summary, plots=plots, nondeterministic=varies),
         allow_parity_failure=False)
 
 
@@ -67,6 +79,8 @@ def summary_markdown(report: dict[str, Any]) -> str:
           markdown_table([{"config": n, "label": results[n]["label"], "paper_mat": PAPER_MAT[n]}
                           for n in results if n in PAPER_MAT], ["config", "label", "paper_mat"]),
           "![check](check.png)", ""]
+    if "costs" in report:
+        md += costs_markdown(report["costs"]) + ["![Figure 1](figure1.png)", ""]
     return "\n".join(md)
 
 

@@ -18,8 +18,8 @@ from hyco.runtime.timing import (
     table11,
 )
 
-T = Times(verify={33: 20.0, 5: 12.0}, head_step=3.0, prefill_per_token=0.05, slm_pass=25.0, mtp_step=4.0, host=2.0,
-          slm_prefill=300.0)
+T = Times(verify=lambda rows, context: {33: 20.0, 5: 12.0}[rows], head_step=3.0, prefill=lambda n: 0.05 * n,
+          slm_pass=25.0, mtp_step=4.0, host=2.0, slm_prefill=lambda n: 300.0)
 LINK = Link(rtt_ms=50.0, up_mbps=10.0, down_mbps=50.0)
 HYCO = Round(rows=33, committed=5, slm_passes=1, mtp_steps=4, up_bytes=165, down_bytes=9000)
 
@@ -49,7 +49,7 @@ def test_a_request_gives_g_tok_s_and_ttft_by_hand():
     wall = max(ttft, 300.0) + 2 * (43 + 51.572 + 20)  # the phone's SLM prefill outlasts the first reply
     assert f["tok_s"] == pytest.approx(1e3 * tokens / wall)
     assert f["draft_ms_per_token"] == pytest.approx(2 * 43 / tokens)
-    assert slm_alone(10, T) == pytest.approx({"tok_s": 1e4 / (300 + 10 * 27), "draft_ms_per_token": 27.0})
+    assert slm_alone([(100, 10)], T) == pytest.approx({"tok_s": 1e4 / (300 + 10 * 27), "draft_ms_per_token": 27.0})
 
 
 # Table 11 (SB-480): g in ms per token, tokens per GPU-busy second, GPU-hours per 1M tokens

@@ -66,11 +66,16 @@ class GraphSession:
     """One graph (context binary or reference QDQ graph) behind `run(names, feeds)`, in this
     process or in a worker; records load time and per-pass times."""
 
-    def __init__(self, path: Path, *, backend: str, soc_model: int, isolate: bool):
+    def __init__(self, path: Path, *, backend: str, soc_model: int, isolate: bool, opener=None):
+        """`opener(path)`: opens the graph in this process instead of `_open` (the torch executor)."""
         self.path, self.backend = Path(path), backend
         self.pass_s: list[float] = []
         self.process = None
-        if isolate:
+        if opener is not None:
+            start = time.perf_counter()
+            self.session = opener(self.path)
+            self.load_s = time.perf_counter() - start
+        elif isolate:
             ctx = mp.get_context("spawn")
             self.conn, child = ctx.Pipe()
             self.process = ctx.Process(target=_serve, args=(child, str(path), backend, soc_model), daemon=True)
@@ -136,10 +141,14 @@ class BundleSessions:
     """Opens a bundle's graphs once and hands them to every drafter built on the bundle (the
     check builds one drafter per prompt; the sessions are stateless, the rings live on the host)."""
 
-    def __init__(self, bundle: Path, *, backend: str = "qnn", isolate: bool = True):
-        if backend not in ("qnn", "cpu"):
-            raise HycoError(f"backend must be 'qnn' or 'cpu', but got {backend!r}")
+    def __init__(self, bundle: Path, *, backend: str = "qnn", isolate: bool = True, device: str = "auto"):
+        """backend: `qnn` (the context binaries), `cpu` (the reference QDQ graphs on onnxruntime
+        CPU) or `torch` (the same graphs through `hyco.qdq_torch` on `device`)."""
+        if backend not in ("qnn", "cpu", "torch"):
+            raise HycoError(f"backend must be 'qnn', 'cpu' or 'torch', but got {backend!r}")
         self.bundle, self.backend, self.isolate = Path(bundle), backend, isolate
+        self.device = device
+        self.folded: dict = {}  # the torch executor's weights, shared by graphs that hold the same ones
         self.meta = read_json(self.bundle / "bundle.json", "bundle.json")
         self.specs = read_io_spec(self.bundle / "io_spec.json")
         self.graphs: dict[str, Any] = {}
@@ -151,11 +160,12 @@ class BundleSessions:
             raise HycoError(f"{self.bundle / 'bundle.json'}: no graph for {spec_key!r}")
         if role not in self.graphs:
             g = self.meta["graphs"][role]
-            if self.backend == "cpu":
+            if self.backend in ("cpu", "torch"):
                 if not g.get("reference"):
                     raise HycoError(f"{self.bundle / 'bundle.json'}: the bundle ships no reference QDQ graph for "
                                     f"{role} (export.reference_graphs was off)")
-                parts = [GraphSession(self.bundle / g["reference"], backend="cpu", soc_model=0, isolate=False)]
+                parts = [GraphSession(self.bundle / g["reference"], backend=self.backend, soc_model=0, isolate=False,
+                                      opener=self._torch_graph if self.backend == "torch" else None)]
                 self.graphs[role] = parts[0]
             else:
                 parts = [GraphSession(self.bundle / p["context"], backend="qnn", soc_model=self.meta["soc_model"],
@@ -172,6 +182,12 @@ class BundleSessions:
             self.graphs[role] = CodesSession(self.graphs[role], self.specs[spec_key])
         return self.graphs[role]
 
+    def _torch_graph(self, path: Path):
+        from hyco.qdq_torch import TorchGraph, torch_device
+
+        device = torch_device(self.device)
+        return TorchGraph(path, device=device, shared=self.folded, cuda_graph=device.type == "cuda")
+
     def timings(self) -> dict[str, dict[str, Any]]:
         out = {}
         for role, parts in self.parts.items():
@@ -187,13 +203,13 @@ class BundleSessions:
                 p.close()
 
 
-_SHARED: dict[tuple[str, str, bool], BundleSessions] = {}
+_SHARED: dict[tuple[str, str, bool, str], BundleSessions] = {}
 
 
-def bundle_sessions(bundle: Path, *, backend: str = "qnn", isolate: bool = True) -> BundleSessions:
-    key = (str(Path(bundle).resolve()), backend, isolate)
+def bundle_sessions(bundle: Path, *, backend: str = "qnn", isolate: bool = True, device: str = "auto") -> BundleSessions:
+    key = (str(Path(bundle).resolve()), backend, isolate, device)
     if key not in _SHARED:
-        _SHARED[key] = BundleSessions(bundle, backend=backend, isolate=isolate)
+        _SHARED[key] = BundleSessions(bundle, backend=backend, isolate=isolate, device=device)
     return _SHARED[key]
 
 

@@ -19,15 +19,15 @@ The SLM alone (slm-alone) has no server and no link: its prefill, then one pass 
 token. Table 11's identities: tokens per GPU-busy second = 1000 / g, GPU-hours per 1M tokens =
 g / 3.6 (g in ms).
 
-Not yet here (issue 39, open): the measured server sweep (T_verify per row count and context,
-T_head, T_prefill; CUDA events on a GPU, labelled CPU wall time elsewhere), the phone timings'
-sources (AI Hub profile, a device profile, the weight-bandwidth floor), network presets, check's
-Table 2 / Table 11 / Figure 1, and `hyco-convert project`.
+Where the times come from: the server's sweep (hyco/runtime/server_timing.py), the phone's
+profile, hub report or weight floor (hyco/runtime/phone_timing.py), the network preset or the
+user's RTT and bandwidths (`NETWORKS`); check's report and `hyco-convert project` name each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,30 @@ class Link:
         return self.rtt_ms + 8 * up_bytes / (self.up_mbps * 1e3) + 8 * down_bytes / (self.down_mbps * 1e3)
 
 
+# The paper's per-round "network and serialization" (40-58 ms on SB, appendix: a recorded trace,
+# not a link RTT measurement), its upper end for LTE-CA, its lower for 5G NSA, as the RTT. The
+# bandwidths are not in the paper: typical commercial figures (Mbit/s up / down), stated as
+# assumptions wherever shown; at these a 30 KB round adds under 3 ms.
+NETWORKS = {"lte-ca": (58.0, 20.0, 100.0), "5g-nsa": (40.0, 40.0, 300.0)}
+NETWORK_NOTE = ("RTT: the paper's per-round network and serialization time (40-58 ms, LTE-CA / 5G NSA); "
+                "bandwidths assumed, not from the paper")
+
+
+def network(name: str, rtt_ms: float | None = None, up_mbps: float | None = None,
+            down_mbps: float | None = None) -> Link:
+    """A preset, with any of its three figures replaced by the user's."""
+    if name not in NETWORKS:
+        from hyco.errors import HycoError
+
+        raise HycoError(f"network must be one of {sorted(NETWORKS)}, but got {name!r}")
+    rtt, up, down = NETWORKS[name]
+    return Link(rtt if rtt_ms is None else rtt_ms, up if up_mbps is None else up_mbps,
+                down if down_mbps is None else down_mbps)
+
+
+VERDICT_BYTES = 8  # the reply's verdict: accepted path length and the bonus token, beside any hand-off
+
+
 @dataclass(frozen=True)
 class Round:
     """What check counts in one round (`decode.RoundLog` and the wire counts)."""
@@ -52,28 +76,37 @@ class Round:
     head_steps: int = 0  # on the server (the head there)
     pd_passes: int = 0  # proactive SLM passes while the reply is in flight
     up_bytes: int = 0  # the tree message
-    down_bytes: int = 0  # the hand-off and its K/V rows
+    down_bytes: int = 0  # the verdict, the hand-off and its K/V rows
+    context: int = 0  # tokens before the round's root: what the verifier's pass attends to
+
+
+def _zero(*_: int) -> float:
+    return 0.0
 
 
 @dataclass(frozen=True)
 class Times:
-    """Per-pass milliseconds. `verify`: rows -> T_verify(rows); `prefill`: ms per prompt token."""
+    """Milliseconds. `verify(rows, context)`, `prefill(prompt_tokens)` on the server;
+    `slm_prefill(prompt_tokens)` the phone's SLM prefill of one prompt."""
 
-    verify: dict[int, float]
+    verify: Callable[[int, int], float]
+    prefill: Callable[[int], float] = _zero
     head_step: float = 0.0
-    prefill_per_token: float = 0.0
     slm_pass: float = 0.0
     mtp_step: float = 0.0
     host: float = 0.0
-    slm_prefill: float = 0.0  # the phone's whole SLM prefill of one prompt
+    slm_prefill: Callable[[int], float] = _zero
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def server_ms(r: Round, t: Times) -> float:
-    return t.verify[r.rows] + r.head_steps * t.head_step
+    return t.verify(r.rows, r.context) + r.head_steps * t.head_step
 
 
 def phone_ms(r: Round, t: Times) -> float:
-    return r.slm_passes * t.slm_pass + r.mtp_steps * t.mtp_step + t.host
+    """The phone's drafting; host work (LUTs, rings, masks) only in a round it drafts."""
+    drafting = r.slm_passes or r.mtp_steps
+    return r.slm_passes * t.slm_pass + r.mtp_steps * t.mtp_step + (t.host if drafting else 0.0)
 
 
 def round_wall_ms(r: Round, t: Times, link: Link) -> float:
@@ -83,7 +116,7 @@ def round_wall_ms(r: Round, t: Times, link: Link) -> float:
 
 def ttft_ms(prompt_tokens: int, first_reply_bytes: int, t: Times, link: Link) -> float:
     """The prompt up (int32 ids), the server's prefill, the first reply down."""
-    return link.ms(4 * prompt_tokens, first_reply_bytes) + prompt_tokens * t.prefill_per_token
+    return link.ms(4 * prompt_tokens, first_reply_bytes) + t.prefill(prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,9 +135,9 @@ def figures(requests: list[Request], t: Times, link: Link) -> dict[str, float]:
     """g (server ms per output token, prefill included), delivery tok/s, mean TTFT, and Table 11's
     derived columns, over the requests together."""
     tokens = sum(q.output_tokens for q in requests)
-    server = sum(q.prompt_tokens * t.prefill_per_token + sum(server_ms(r, t) for r in q.rounds) for q in requests)
+    server = sum(t.prefill(q.prompt_tokens) + sum(server_ms(r, t) for r in q.rounds) for q in requests)
     ttfts = [ttft_ms(q.prompt_tokens, q.first_reply_bytes, t, link) for q in requests]
-    wall = sum(max(ttft, t.slm_prefill) + sum(round_wall_ms(r, t, link) for r in q.rounds)
+    wall = sum(max(ttft, t.slm_prefill(q.prompt_tokens)) + sum(round_wall_ms(r, t, link) for r in q.rounds)
                for q, ttft in zip(requests, ttfts, strict=True))
     g = server / tokens
     return {"g_ms": g, "tok_s": 1e3 * tokens / wall, "ttft_ms": sum(ttfts) / len(ttfts),
@@ -112,9 +145,11 @@ def figures(requests: list[Request], t: Times, link: Link) -> dict[str, float]:
             **table11(g)}
 
 
-def slm_alone(tokens: int, t: Times) -> dict[str, float]:
-    """The SLM on the phone by itself: its prefill, then one pass and host work a token."""
-    wall = t.slm_prefill + tokens * (t.slm_pass + t.host)
+def slm_alone(requests: list[tuple[int, int]], t: Times) -> dict[str, float]:
+    """The SLM on the phone by itself, per (prompt tokens, output tokens): its prefill, then one
+    pass and host work a token."""
+    tokens = sum(n for _, n in requests)
+    wall = sum(t.slm_prefill(p) + n * (t.slm_pass + t.host) for p, n in requests)
     return {"tok_s": 1e3 * tokens / wall, "draft_ms_per_token": t.slm_pass + t.host}
 
 

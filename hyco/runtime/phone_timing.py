@@ -1,0 +1,105 @@
+"""The phone's side of the timing model: per-pass milliseconds of the drafters' graphs, each with
+its source, never the x86 simulator's wall time (seconds a pass: not a phone).
+
+Sources, first found wins, per graph:
+1. a device profile the user measured, JSON (`--phone-profile`, `check.timing.phone_profile`), or a
+   built-in one by name (`PROFILES`: `paper-sm8850`, the paper's own figures, said to be so):
+       {"device": "Galaxy S26 Ultra (SM8850)",
+        "graphs": {"tree": {"median_ms": 41.2}, "prefill": {"median_ms": 95.0}, "mtp_step": {"median_ms": 2.9}},
+        "host_ms_per_round": 1.5}          # optional: LUT lookups, rings, masks on the phone's CPU
+2. the bundle's AI Hub profile (`hyco-convert export --hub` wrote hub.json: each graph's
+   estimated_inference_time_us on the named phone);
+3. the weight-bandwidth floor: a graph reads every weight once a pass, so it takes at least its
+   weight bytes (bundle.json) over the memory bandwidth (`check.timing.phone_bandwidth_gbs`).
+   A floor, not a measurement: the label says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hyco.errors import HycoError
+from hyco.loading import read_json
+
+GRAPHS = ("tree", "prefill", "mtp_step")
+
+# Built-in profiles, by name in place of a file. `paper-sm8850`: Gemma 4 E2B and the 26B-A4B MTP
+# head on the Galaxy S26 Ultra's SM8850, derived from the paper's SB-480 mobile draft times (not
+# measured by this tool): the SLM alone drafts 36.8 ms a token (one tree pass), and HyCo 12.1 ms a
+# token at MAT 4.71, i.e. 57.0 ms a round = one tree pass + 4 MTP steps, so an MTP step is
+# (57.0 - 36.8) / 4 = 5.05 ms; host work is inside those figures. No prefill figure is published.
+PROFILES = {"paper-sm8850": {
+    "device": "Galaxy S26 Ultra (SM8850), derived from the paper's SB-480 draft times, not measured here",
+    "graphs": {"tree": {"median_ms": 36.8}, "mtp_step": {"median_ms": 5.05}}, "host_ms_per_round": 0.0}}
+
+
+@dataclass
+class PhoneTimes:
+    """Milliseconds a pass per graph, the host's work per round, and each figure's source."""
+
+    ms: dict[str, float]
+    host_ms: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict)
+    prefill_rows: int = 1  # tokens a prefill pass takes
+
+    def slm_prefill_ms(self, prompt_tokens: int, max_prompt: int) -> float:
+        """The phone's SLM prefill: its last `max_prompt` tokens in chunks of the prefill graph."""
+        return math.ceil(min(prompt_tokens, max_prompt) / self.prefill_rows) * self.ms.get("prefill", 0.0)
+
+
+def read_profile(path: Path | str) -> dict:
+    """A device profile (a file, or a name in PROFILES), validated: every number named by file and key."""
+    data = PROFILES[str(path)] if str(path) in PROFILES else read_json(path, "phone profile")
+    graphs = data.get("graphs") if isinstance(data, dict) else None
+    if not isinstance(graphs, dict) or not graphs:
+        raise HycoError(f"{path}: a phone profile needs a 'graphs' object, e.g. "
+                        '{"graphs": {"tree": {"median_ms": 41.2}}}')
+    for name, entry in graphs.items():
+        if name not in GRAPHS:
+            raise HycoError(f"{path}: graphs.{name}: unknown graph (known: {list(GRAPHS)})")
+        value = entry.get("median_ms") if isinstance(entry, dict) else None
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise HycoError(f"{path}: graphs.{name}.median_ms must be a positive number of milliseconds, "
+                            f"but got {value!r}")
+    host = data.get("host_ms_per_round", 0.0)
+    if not isinstance(host, int | float) or host < 0:
+        raise HycoError(f"{path}: host_ms_per_round must be a number >= 0, but got {host!r}")
+    return data
+
+
+def hub_times(hub_json: Path) -> dict[str, tuple[float, str]]:
+    data = read_json(hub_json, "AI Hub report")
+    out = {}
+    for job in data.get("jobs", []):
+        us = job.get("estimated_inference_time_us")
+        if job.get("role") in GRAPHS and isinstance(us, int | float) and us > 0:
+            out[job["role"]] = (us / 1e3, f"AI Hub profile on {data.get('device', '?')} ({hub_json})")
+    return out
+
+
+def phone_times(bundle: Path | None, *, profile: Path | None, hub_json: Path | None, bandwidth_gbs: float,
+                prefill_rows: int) -> PhoneTimes:
+    found: dict[str, tuple[float, str]] = {}
+    host, host_source = 0.0, "not measured: 0"
+    if profile is not None:
+        data = read_profile(profile)
+        device = data.get("device", "a phone")
+        found = {g: (float(e["median_ms"]), f"device profile of {device} ({profile})") for g, e in data["graphs"].items()}
+        if "host_ms_per_round" in data:
+            host, host_source = float(data["host_ms_per_round"]), f"device profile of {device} ({profile})"
+    if hub_json is not None:
+        for g, value in hub_times(Path(hub_json)).items():
+            found.setdefault(g, value)
+    if bundle is not None and (Path(bundle) / "bundle.json").is_file():
+        meta = read_json(Path(bundle) / "bundle.json", "bundle.json")
+        for g in GRAPHS:
+            weight_bytes = meta["graphs"].get(g, {}).get("weight_bytes")
+            if weight_bytes:
+                found.setdefault(g, (weight_bytes / (bandwidth_gbs * 1e6),
+                                     f"weight-bandwidth floor: {weight_bytes:,} B at {bandwidth_gbs:g} GB/s (a floor, "
+                                     "not a measurement)"))
+    missing = [g for g in GRAPHS if g not in found]
+    sources = {g: s for g, (_, s) in found.items()} | {g: "none: no profile, hub report or bundle" for g in missing}
+    return PhoneTimes({g: ms for g, (ms, _) in found.items()}, host, {**sources, "host": host_source}, prefill_rows)
