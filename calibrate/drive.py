@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hyco.host import SHORT
 from hyco.io_spec import Role, role_of
 
 
@@ -206,7 +207,7 @@ def mtp_bursts(session, spec, lut, captures, *, steps: int, positions_per_captur
             embed, hidden = cap.embeds[t + 1].numpy(), cap.hidden[t].numpy()
             feeds = step_feeds(StepInput(cap.embeds[t + 1], cap.hidden[t], kv, t + 1 - lo), embed, hidden, spec,
                                spec.meta["rope"], negative)
-            for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+            for layer, short in SHORT.items():
                 feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(spec.meta["rope"][layer], t + 1)
             burst = []
             for _ in range(steps):

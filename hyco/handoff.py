@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from hyco.errors import HycoError
+from hyco.host import LAYER_TYPES  # the one layer-type table
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
 CAPTURE_POINTS = ("after_norm", "before_norm")
 
 

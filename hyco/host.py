@@ -41,14 +41,15 @@ Masked entries get `mask_negative` (-50), not -inf: the mask shares the Softmax 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
-SHORT = {"sliding_attention": "sliding", "full_attention": "full"}
+# The one layer-type table: a config's layer type -> the suffix of its graph I/O (k_full, cos_sliding, ...)
+SHORT = {"full_attention": "full", "sliding_attention": "sliding"}
+LAYER_TYPES = tuple(SHORT)
 
 
 # --- embedding lookup tables --------------------------------------------------------------
@@ -146,20 +147,25 @@ def mmap_safetensors(path: str | Path, names=None) -> tuple[dict[str, np.ndarray
 @dataclass
 class Rope:
     """cos/sin per layer type from the inverse frequencies transformers computed (rope.json),
-    so the host tables match transformers' to float32 rounding of cos/sin."""
+    times its attention_scaling (YaRN and the like scale both; Gemma 4's is 1), as
+    Gemma4TextRotaryEmbedding computes them, in float32: the SLM's host and the MTP step use this
+    one (tests/test_rope.py holds it to transformers')."""
 
     inv_freq: dict[str, np.ndarray]  # layer type -> float32 [head_dim / 2]
+    scaling: dict[str, float] = field(default_factory=dict)  # layer type -> attention_scaling (absent: 1)
 
     @classmethod
     def from_json(cls, path_or_dict) -> Rope:
         d = path_or_dict if isinstance(path_or_dict, dict) else json.loads(Path(path_or_dict).read_text())
-        return cls({t: np.asarray(v["inv_freq"], dtype=np.float32) for t, v in d["layer_types"].items()})
+        return cls({t: np.asarray(v["inv_freq"], dtype=np.float32) for t, v in d["layer_types"].items()},
+                   {t: float(v.get("attention_scaling", 1.0)) for t, v in d["layer_types"].items()})
 
     def tables(self, layer_type: str, positions) -> tuple[np.ndarray, np.ndarray]:
         pos = np.asarray(positions, dtype=np.float32).reshape(-1, 1)
         freqs = pos * self.inv_freq[layer_type][None, :]
         emb = np.concatenate([freqs, freqs], axis=-1)
-        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+        scale = np.float32(self.scaling.get(layer_type, 1.0))
+        return (np.cos(emb) * scale).astype(np.float32), (np.sin(emb) * scale).astype(np.float32)
 
 
 # --- tree / chain structure ------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
 from hyco.errors import HycoError
 from hyco.heap import release_free_heap
+from hyco.host import SHORT
 from hyco.ort import ort_session
 from hyco.recipe import PlacementConfig, QatConfig, Recipe, to_dict
 
@@ -68,7 +69,7 @@ def input_ranges(captures, teacher, sliding_window: int, percentile: float, devi
     for cap in captures:
         add("token_embed", cap.embeds)
         add("hidden", cap.hidden)
-        for short, layer in (("full", "full_attention"), ("sliding", "sliding_attention")):
+        for short, layer in ((s, t) for t, s in SHORT.items()):
             add(f"k_{short}", cap.kv[layer][0])
             add(f"v_{short}", cap.kv[layer][1])
         with torch.no_grad():
@@ -391,7 +392,7 @@ def parity_positions(cap, spec, config: QatConfig, positions: int = 8) -> list[t
         # the ring starts at `lo`: shift positions so slots and masks match the references
         feeds = step_feeds(StepInput(start.embed, start.hidden, kv, t + 1 - lo), start.embed.numpy(),
                            start.hidden.numpy(), spec, spec.meta["rope"], config.mask_negative)
-        for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+        for layer, short in SHORT.items():
             feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(spec.meta["rope"][layer], t + 1)
         rows.append((start, feeds))
     return rows

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hyco.host import SHORT
 from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec, TensorSpec
 
@@ -200,7 +201,7 @@ def fixed_input_ranges(spec: GraphSpec, negative: float) -> dict[str, tuple[floa
     """Ranges the step graph's other inputs have by construction: masks hold 0 or `negative`
     (both exact on the uint16 grid), rotary rows lie in [-scaling, scaling]."""
     ranges = {"mask_full": (negative, 0.0), "mask_sliding": (negative, 0.0)}
-    for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+    for layer, short in SHORT.items():
         scaling = float(spec.meta["rope"][layer]["scaling"])
         ranges[f"cos_{short}"] = ranges[f"sin_{short}"] = (-scaling, scaling)
     return ranges

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hyco.handoff import StepInput, attention_masks
+from hyco.host import SHORT, Rope
 from hyco.io_spec import GraphSpec
 
 
@@ -70,10 +71,8 @@ def draft_chain(head: nn.Module, embed_fn, start: StepInput, depth: int, topk: i
 
 def rope_rows(table: dict, position: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin rows [1, head_dim] at `position`, as transformers' Gemma 4 rotary computes them."""
-    inv = np.asarray(table["inv_freq"], dtype=np.float32)
-    freqs = np.float32(position) * inv
-    emb = np.concatenate([freqs, freqs])[None]
-    return (np.cos(emb) * table["scaling"]).astype(np.float32), (np.sin(emb) * table["scaling"]).astype(np.float32)
+    rope = Rope({"layer": np.asarray(table["inv_freq"], dtype=np.float32)}, {"layer": float(table["scaling"])})
+    return rope.tables("layer", [position])
 
 
 def step_feeds(start: StepInput, embed: np.ndarray, hidden: np.ndarray, spec: GraphSpec, ropes: dict,
@@ -95,7 +94,7 @@ def step_feeds(start: StepInput, embed: np.ndarray, hidden: np.ndarray, spec: Gr
             ring = np.zeros(spec.input(name).shape, np.float32)
             ring[:, slots] = rows[:, positions].numpy()
             feeds[name] = ring
-    for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+    for layer, short in SHORT.items():
         feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(ropes[layer], start.position)
     spec.check_feeds(feeds)
     return feeds

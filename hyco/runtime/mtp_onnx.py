@@ -18,6 +18,7 @@ import torch
 from hyco.embed_lut import EMBED_LUT, EmbedLut
 from hyco.errors import HycoError
 from hyco.handoff import StepInput
+from hyco.host import SHORT
 from hyco.io_spec import read_io_spec
 from hyco.ort import ort_session
 from hyco.runtime.drafters import HandoffWindow
@@ -72,7 +73,7 @@ class MtpChainOnnx(HandoffWindow):
         start = StepInput(last.embed, last.hidden, self.kv, last.position - oldest)
         feeds = step_feeds(start, last.embed.numpy(), last.hidden.numpy(), self.spec, meta["rope"],
                            meta["mask_negative"])
-        for layer, short in (("full_attention", "full"), ("sliding_attention", "sliding")):
+        for layer, short in SHORT.items():
             feeds[f"cos_{short}"], feeds[f"sin_{short}"] = rope_rows(meta["rope"][layer], last.position)
         keep_index, logprobs = [], []
         for _ in range(depth):
