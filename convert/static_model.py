@@ -17,7 +17,6 @@ rewrites of rewrites.py applied; the module holds integer weights only (IntLinea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 from hyco.host import SHORT
 from hyco.io_spec import GraphSpec, TensorSpec
+from hyco.npu_ops import TOPK_SLICE, gelu_tanh, rms_norm, rotate, sliced_topk
 
 # --- ops with an explicit ONNX form ---------------------------------------------------------
 
@@ -131,22 +131,7 @@ class RMSNorm(nn.Module):
         self.weight = None if weight is None else nn.Parameter(weight.detach().float().clone(), requires_grad=False)
 
     def forward(self, x):
-        mean_square = torch.mean(x * x, dim=-1, keepdim=True) + self.eps
-        x = x * torch.reciprocal(torch.sqrt(mean_square))
-        return x if self.weight is None else x * self.weight
-
-
-def gelu_tanh(x):
-    """gelu_pytorch_tanh written out with Tanh (much closer on the HTP than the Gelu op)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
-
-
-def rotate(x, cos, sin):
-    """Rotary embedding with host tables; proportional RoPE has cos=1, sin=0 on its unrotated
-    dims, so one full-width rotate_half serves both layer types."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -233,23 +218,12 @@ class SlicedTopK(nn.Module):
     65,536, so search slices of at most `slice_width`, add each slice's offset, and pick the
     final k among the candidates (whose TopK indices stay < slices * k)."""
 
-    def __init__(self, k: int, slice_width: int = 65_536):
+    def __init__(self, k: int, slice_width: int = TOPK_SLICE):
         super().__init__()
         self.k, self.slice_width = k, slice_width
 
     def forward(self, x):
-        width = x.shape[-1]
-        if width <= self.slice_width:
-            return torch.topk(x, self.k, dim=-1)
-        values, indices = [], []
-        for start in range(0, width, self.slice_width):
-            part = x[:, start:start + self.slice_width]
-            v, i = torch.topk(part, min(self.k, part.shape[-1]), dim=-1)
-            values.append(v)
-            indices.append(i + start)
-        values, indices = torch.cat(values, dim=-1), torch.cat(indices, dim=-1)
-        top, pick = torch.topk(values, self.k, dim=-1)
-        return top, torch.gather(indices, -1, pick)
+        return sliced_topk(x, self.k, self.slice_width)
 
 
 class SoftcapHead(nn.Module):

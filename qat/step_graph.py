@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from hyco import npu_ops
 from hyco.host import SHORT
 from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec, TensorSpec
+from hyco.npu_ops import gelu_tanh, rms_norm, rotate, sliced_topk
 
-TOPK_SLICE = 65_535  # widest TopK input whose indices HTP returns intact
+TOPK_SLICE = npu_ops.TOPK_SLICE  # a module name, so a test can narrow it
 OPSET = 21
 
 
@@ -41,21 +43,6 @@ def linear_names(num_layers: int) -> list[str]:
 def param_name(module: str) -> str:
     """ONNX initializer name of a linear's [in, out] weight."""
     return "w__" + module.replace(".", "__")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    x = x * torch.reciprocal(torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
-    return x * weight if weight is not None else x
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class MtpStep(nn.Module):
@@ -113,25 +100,8 @@ class MtpStep(nn.Module):
             x = x * getattr(self, f"layer_scalar__{i}")
         x = rms_norm(x, self.n("model.norm.weight"), self.eps)
         logprobs = torch.log_softmax(x @ self.w("lm_head"), dim=-1)  # [1, V']
-        top_lp, top_ids = sliced_topk(logprobs, self.topk)
+        top_lp, top_ids = sliced_topk(logprobs, self.topk, TOPK_SLICE)
         return top_lp, top_ids, x @ self.w("post_projection")
-
-
-def sliced_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TopK over the last axis in slices of at most TOPK_SLICE columns, then over the
-    candidates, so no TopK ever emits an index above 65,535."""
-    width = x.shape[-1]
-    k = min(k, width)
-    values, indices = [], []
-    for start in range(0, width, TOPK_SLICE):
-        part = x[..., start:start + TOPK_SLICE]
-        v, i = torch.topk(part, min(k, part.shape[-1]), dim=-1)
-        values.append(v)
-        indices.append(i + start)
-    if len(values) == 1:
-        return values[0], indices[0]
-    v, pick = torch.topk(torch.cat(values, dim=-1), k, dim=-1)
-    return v, torch.gather(torch.cat(indices, dim=-1), -1, pick)
 
 
 # --- the fixed-shape interface -------------------------------------------------------------
