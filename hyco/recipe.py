@@ -303,8 +303,17 @@ class TimingConfig:
     # sustained figure, said with every number made from it
     phone_bandwidth_gbs: float = 60.0
     sweep_repeats: int = 5
+    # the server sweep's context lengths (T_verify is interpolated between them, extrapolated
+    # beyond) and prompt lengths (T_prefill's line): cover the workload's, e.g. up to 32K for
+    # infinitebench-sum
+    sweep_contexts: tuple[int, ...] = (64, 256, 1024)
+    sweep_prefill: tuple[int, ...] = (32, 128, 512)
 
     def __post_init__(self):
+        for name in ("sweep_contexts", "sweep_prefill"):
+            values = getattr(self, name)
+            _require(len(values) >= 2 and all(v >= 1 for v in values) and list(values) == sorted(set(values)),
+                     f"check.timing.{name} must be two or more increasing lengths, but got {list(values)}")
         for name in ("rtt_ms", "up_mbps", "down_mbps"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"check.timing.{name} must be > 0, but got {value}")

@@ -22,6 +22,8 @@ SIZES = [  # the tiny family's scale: the rest of the recipe stays the paper's
     "calibrate.max_kl=null", "calibrate.min_sqnr_db=null",  # the published family's random weights: no floor
     "export.smoke_prompts=1", "export.smoke_rounds=2", "check.prompts=2", "check.max_new_tokens=8",
     "check.configs=[hyco,hyco-exact]",
+    # the real sweep reaches 32K contexts: a 32K prefill of the tiny verifier's global layers would not fit here
+    "check.timing.sweep_contexts=[64,256]", "check.timing.sweep_prefill=[32,128]",
 ]
 
 
