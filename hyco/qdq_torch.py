@@ -153,8 +153,9 @@ def _topk(inputs, attrs):
 
 
 def _unsqueeze(inputs, attrs):
-    x = inputs[0]
-    for axis in sorted(a % (x.dim() + 1 + i) if a < 0 else a for i, a in enumerate(_axes(attrs, inputs))):
+    x, axes = inputs[0], _axes(attrs, inputs)
+    rank = x.dim() + len(axes)  # negative axes count from the output's end
+    for axis in sorted(a + rank if a < 0 else a for a in axes):
         x = x.unsqueeze(axis)
     return x
 
@@ -230,6 +231,11 @@ class TorchGraph:
         unknown = sorted({n.op_type for n in graph.node if n.op_type not in OPS})
         if unknown:
             raise HycoError(f"{self.path}: ops {unknown} have no torch emulation (supported: {sorted(OPS)})")
+        blocked = [n.name or n.output[0] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                   and any(a.name == "block_size" and a.i for a in n.attribute)]
+        if blocked:  # scales per block of an axis: not what `_along` broadcasts
+            raise HycoError(f"{self.path}: {blocked[0]} quantizes in blocks (block_size); the torch executor emulates "
+                            "per-tensor and per-axis grids only")
         shared = {} if shared is None else shared
         tensors = {t.name: t for t in graph.initializer}
         self.inputs = [v.name for v in graph.input if v.name not in tensors]

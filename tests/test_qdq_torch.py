@@ -216,6 +216,30 @@ def test_an_op_without_emulation_is_named_at_load(tmp_path):
         TorchGraph(tmp_path / "missing.onnx")
 
 
+def test_unsqueeze_with_negative_axes_and_blocked_grids_refused(tmp_path):
+    """Negative Unsqueeze axes count from the output's end (onnxruntime's shapes); a blocked
+    DequantizeLinear is refused at load, naming the node."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Unsqueeze", ["x", "axes"], ["y"])], "u",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [init("axes", np.array([-1, 0, -3], np.int64))]), opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(model, str(tmp_path / "u.onnx"))
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    want = ort_run(tmp_path / "u.onnx", {"x": x}, ["y"])[0]
+    got = TorchGraph(tmp_path / "u.onnx").run(["y"], {"x": x})[0]
+    assert got.shape == want.shape == (1, 3, 1, 4, 1)
+    np.testing.assert_array_equal(got, want)
+    blocked = helper.make_model(helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["w", "s"], ["y"], name="w_dq", axis=1, block_size=2)], "b",
+        [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [init("w", np.ones((2, 4), np.int8)), init("s", np.ones((2, 2), np.float32))]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(blocked, str(tmp_path / "b.onnx"))
+    with pytest.raises(HycoError, match="b.onnx: w_dq quantizes in blocks"):
+        TorchGraph(tmp_path / "b.onnx")
+
+
 def test_the_device_setting(monkeypatch):
     assert torch_device("cpu").type == "cpu"
     with pytest.raises(HycoError, match="deployed_device must be"):
