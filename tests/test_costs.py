@@ -190,3 +190,19 @@ def test_the_main_jobs_check_shows_table2_table11_figure1_and_project_agrees(lad
     assert "Table 2: Delta-g" in summary and "Table 11: g" in summary and "(CPU, not a server GPU)" in summary
     assert (check / "figure1.png").stat().st_size > 10_000
     assert project(check, tmp_path / "projection")["rows"] == rows
+
+
+def test_the_project_command(tmp_path, capsys):
+    """`hyco-convert project` as a user types it: the rows printed and the files written; a folder
+    without check's inputs is one line and exit 2."""
+    from hyco.cli import main
+
+    inputs_for(tmp_path)
+    assert main(["project", str(tmp_path), "--out", str(tmp_path / "what-if"), "--slm-ms", "20", "--rtt-ms", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "hyco" in out and "tok/s" in out and "wrote" in out
+    written = json.loads((tmp_path / "what-if" / "projection.json").read_text())
+    assert written["sources"]["phone tree"] == "set by the user (hyco-convert project)"
+    assert main(["project", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "costs_inputs.json: no such file" in err
