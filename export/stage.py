@@ -284,7 +284,8 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
             "graphs": graphs, "files": file_table(bundle)}
-    meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json")
+    meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json",
+                                         config.footprint_targets)
     write_json(bundle / BUNDLE_JSON, meta)
     declare_binaries(graphs, meta["qnn_sdk"])
     return meta

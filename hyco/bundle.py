@@ -25,13 +25,14 @@ REQUIRED = ("io_spec.json", "rope.json", "luts/embed_tokens.safetensors", "embed
             "keep_set.json", "keep_to_vocab.npy", "vocab_to_keep.npy")
 
 
-# The paper's Table 3 (decimal bytes): what the phone holds.
-TABLE3 = {"slm": ("SLM NPU graph", 754e6), "mtp_graph": ("MTP graph at W4", 123e6),
-          "mtp_lut": ("MTP embedding LUT (8-bit)", 242e6), "mtp_drafter": ("MTP Drafter (graph + LUT)", 365e6)}
+# What the phone holds, by Table 3's rows; the target bytes are the recipe's (export.footprint_targets)
+FOOTPRINT_ROWS = {"slm": "SLM NPU graph", "mtp_graph": "MTP graph at W4", "mtp_lut": "MTP embedding LUT (8-bit)",
+                  "mtp_drafter": "MTP Drafter (graph + LUT)"}
 MTP_LUT = "embed_lut.safetensors"
 
 
-def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: Path | None = None) -> dict[str, Any]:
+def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: Path | None = None,
+                     targets: dict[str, float] | None = None) -> dict[str, Any]:
     """What the phone holds, read from the binaries: each context's resident bytes (libQnnSystem's
     contextBlobSize: the weights and the compiled graph HTP loads), per graph and in total with a
     context two graphs share counted once; the CPU's LUT files; and the comparison with Table 3.
@@ -47,9 +48,11 @@ def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: P
               if not (role == "prefill" and p["binary"] in {q["binary"] for q in graphs["tree"]["parts"]}))
     mtp = per_graph["mtp_step"]
     ours = {"slm": slm, "mtp_graph": mtp, "mtp_lut": luts.get(MTP_LUT), "mtp_drafter": mtp + luts.get(MTP_LUT, 0)}
-    table3 = [{"item": label, "paper_bytes": int(paper), "bundle_bytes": ours[key],
+    from hyco.recipe import TABLE3_E2B
+
+    table3 = [{"item": FOOTPRINT_ROWS[key], "paper_bytes": int(paper), "bundle_bytes": ours[key],
                "vs_paper": None if ours[key] is None else round(ours[key] / paper - 1, 4)}
-              for key, (label, paper) in TABLE3.items()]
+              for key, paper in (TABLE3_E2B if targets is None else targets).items()]
     return {"resident_per_graph": per_graph, "resident_per_context": contexts,
             "two_bit_weights": two_bit_cost(encodings) if encodings is not None else None,
             "npu_resident_total": sum(contexts.values()), "cpu_luts": luts, "cpu_lut_total": sum(luts.values()),

@@ -237,6 +237,11 @@ class QatConfig:
 HTP_OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # QNN HTP graph finalization; 0: QNN's own default
 
 
+# The paper's Table 3 (decimal bytes): the SLM's NPU graph, the MTP graph at W4, its 8-bit embedding
+# LUT, and the MTP Drafter (graph + LUT)
+TABLE3_E2B = {"slm": 754e6, "mtp_graph": 123e6, "mtp_lut": 242e6, "mtp_drafter": 365e6}
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     backend: Literal["onnxruntime-qnn", "qai-hub"] = "onnxruntime-qnn"
@@ -257,8 +262,15 @@ class ExportConfig:
     # HTP graph finalization: 0 = QNN's default (what ships); 1 compiles much faster into a less
     # optimized graph (development builds; its cost on the phone is unmeasured), 3 is the slowest
     htp_optimization_level: int = 0
+    # What the phone should hold, in decimal bytes (bundle.json's footprint compares each): the
+    # paper's Table 3 for E2B and the 26B-A4B head; another model's recipe states its own
+    footprint_targets: dict[str, float] = field(default_factory=lambda: dict(TABLE3_E2B))
 
     def __post_init__(self):
+        unknown = sorted(set(self.footprint_targets) - set(TABLE3_E2B))
+        _require(not unknown and all(v > 0 for v in self.footprint_targets.values()),
+                 f"export.footprint_targets must map some of {sorted(TABLE3_E2B)} to bytes > 0, but got "
+                 f"{self.footprint_targets}")
         _require(self.soc_model > 0, f"export.soc_model must be > 0, but got {self.soc_model}")
         _require(self.htp_optimization_level in HTP_OPTIMIZATION_LEVELS,
                  f"export.htp_optimization_level must be one of {HTP_OPTIMIZATION_LEVELS}, but got "

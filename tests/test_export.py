@@ -383,3 +383,22 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     done = _smoke_cli(out / "bundle", tiny_family["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cannot load a shared" in done.stderr
     print(f"shared tree+prefill context: {shared_bytes} B")
+
+
+def test_the_footprint_compares_with_the_recipes_targets():
+    """Table 3's targets come from the recipe (export.footprint_targets): another model's own
+    numbers, only the rows it names; the default is the paper's E2B table."""
+    from hyco.bundle import device_footprint
+    from hyco.recipe import TABLE3_E2B, ExportConfig
+
+    graphs = {"tree": {"parts": [{"binary": "tree.bin", "context_blob_bytes": 600}]},
+              "prefill": {"parts": [{"binary": "prefill.bin", "context_blob_bytes": 400}]},
+              "mtp_step": {"parts": [{"binary": "mtp.bin", "context_blob_bytes": 100}]}}
+    files = {"embed_lut.safetensors": {"bytes": 50}, "luts/per_layer.npy": {"bytes": 7}}
+    rows = {r["item"]: r for r in device_footprint(graphs, files, targets={"slm": 2000.0, "mtp_drafter": 100.0})["table3"]}
+    assert set(rows) == {"SLM NPU graph", "MTP Drafter (graph + LUT)"}
+    assert rows["SLM NPU graph"]["bundle_bytes"] == 1000 and rows["SLM NPU graph"]["vs_paper"] == -0.5
+    assert rows["MTP Drafter (graph + LUT)"]["bundle_bytes"] == 150 and rows["MTP Drafter (graph + LUT)"]["vs_paper"] == 0.5
+    assert ExportConfig().footprint_targets == TABLE3_E2B
+    with pytest.raises(ValueError, match="footprint_targets must map some of"):
+        ExportConfig(footprint_targets={"lm_head": 1.0})
