@@ -18,26 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from hyco.errors import HycoError
+from hyco.families import Layout, architecture, family_of
 
 SUPPORTED_BITS = (2, 4, 8)
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the text model's weights sit in a checkpoint of a given architecture."""
-
-    name: str
-    text_prefix: str  # checkpoint prefix of Gemma4TextModel's tensors
-    ignored_prefixes: tuple[str, ...] = ()  # towers the NPU graphs leave out
-
-
-LAYOUTS = {
-    "Gemma4ForCausalLM": Layout("text-only", "model."),
-    "Gemma4ForConditionalGeneration": Layout(
-        "multimodal", "model.language_model.",
-        ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")),
-}
 
 
 @dataclass(frozen=True)
@@ -88,13 +72,16 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     from hyco.loading import read_json
 
     config = read_json(config_path, "config.json")
+    family = family_of(config, str(config_path))
     arch = architecture(config)
-    if arch not in LAYOUTS:
-        raise HycoError(f"{config_path}: architecture {arch!r} is not supported (supported: {', '.join(LAYOUTS)})")
+    if arch not in family.layouts:
+        raise HycoError(f"{config_path}: architecture {arch!r} is not one of family {family.name}'s "
+                        f"(registered: {', '.join(family.layouts)})")
     quant = config.get("quantization_config") or {}
-    if quant.get("quant_method") != "gemma":
-        raise HycoError(f"{config_path}: quantization_config.quant_method must be 'gemma' (the E2B QAT format), "
-                        f"but got {quant.get('quant_method')!r}")
+    if quant.get("quant_method") not in family.slm_formats:
+        raise HycoError(f"{config_path}: quantization_config.quant_method must be "
+                        f"{' or '.join(map(repr, family.slm_formats))}, but got {quant.get('quant_method')!r} (family "
+                        f"{family.name}'s SLM Drafter formats; 'gemma' is the QAT mobile format)")
     check_bits(quant.get("num_bits", 4), f"{config_path}: quantization_config.num_bits")
     for pattern, override in (quant.get("module_quant_configs") or {}).items():
         check_bits(override.get("num_bits", quant.get("num_bits", 4)),
@@ -111,16 +98,7 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     # transformers' default for tie_word_embeddings is true; a file that still holds lm_head.weight
     # keeps its own output layer (transformers, too, unties weights it finds in the checkpoint).
     tied = bool(config.get("tie_word_embeddings", True)) and "lm_head.weight" not in tensors
-    return Checkpoint(folder, config, LAYOUTS[arch], tensors, tied_head=tied)
-
-
-# model_type -> architecture, for configs whose "architectures" is null (transformers loads them)
-MODEL_TYPES = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
-
-
-def architecture(config: dict[str, Any]) -> str | None:
-    """The config's first architecture, else the one its model_type implies."""
-    return (config.get("architectures") or [None])[0] or MODEL_TYPES.get(config.get("model_type"))
+    return Checkpoint(folder, config, family.layouts[arch], tensors, tied_head=tied)
 
 
 def check_bits(bits: Any, where: str) -> None:

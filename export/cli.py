@@ -9,47 +9,30 @@ import argparse
 import sys
 from pathlib import Path
 
-from hyco.recipe import HTP_OPTIMIZATION_LEVELS, ExportConfig, add_set_option, section_config, to_dict
+from hyco.cli import stage_command
+from hyco.recipe import ExportConfig, to_dict
 
 _DEFAULT = ExportConfig()
+BUNDLE_ONLY = ("convert", "qat", "vocab", "tokenizer", "verifier")  # --hub uploads calibrate's graphs only
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export", help="QNN HTP context binaries for SM8850 (soc_model 87) and a self-describing bundle",
+    p = stage_command(
+        sub, "export", run=_cmd_export, sections={"export": _DEFAULT}, proof=True,
+        inputs={"calibrate": "calibrate stage output (tree/prefill/mtp_step .qdq.onnx)"},
+        optional={"convert": "convert stage output (luts/, rope.json, encodings.json); not with --hub",
+                  "qat": "qat stage output (embed_lut.safetensors, encodings.json); not with --hub",
+                  "vocab": "vocab stage output (keep set, reserved prompts); not with --hub",
+                  "tokenizer": "tokenizer folder to ship in the bundle",
+                  "verifier": "reference verifier checkpoint: the stage ends with a smoke run when given "
+                  "(bundle.json records its name and config hash, not its path)"},
+        help="QNN HTP context binaries for SM8850 (soc_model 87) and a self-describing bundle",
         description="Compile calibrate's tree, prefill and mtp_step QDQ graphs offline (onnxruntime-qnn, prepare "
         "only) into QNN context binaries for --soc-model, and write OUT/bundle/ (binaries, EPContext wrappers, CPU "
         "LUTs, keep set, rope spec, io_spec, encodings, tokenizer, bundle.json with sha256 per file and the I/O read "
         "back from each binary), report.json and summary.md. With --hub: compile and profile on a qai-hub device.")
-    p.add_argument("--calibrate", required=True, help="calibrate stage output (tree/prefill/mtp_step .qdq.onnx)")
-    # the bundle's other pieces; --hub uploads calibrate's graphs only, so they are refused there
-    p.add_argument("--convert", help="convert stage output (luts/, rope.json, encodings.json); not with --hub")
-    p.add_argument("--qat", help="qat stage output (embed_lut.safetensors, encodings.json); not with --hub")
-    p.add_argument("--vocab", help="vocab stage output (keep set, reserved prompts); not with --hub")
-    p.add_argument("--tokenizer", help="tokenizer folder to ship in the bundle")
-    p.add_argument("--verifier", help="reference verifier checkpoint: the stage ends with a smoke run when given "
-                   "(bundle.json records its name and config hash, not its path)")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
-    p.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model, help="QNN soc_model (87: SM8850)")
-    p.add_argument("--htp-arch", type=int, help="Hexagon arch; must be the SoC's own (default: the SoC's)")
-    p.add_argument("--htp-optimization-level", type=int, choices=HTP_OPTIMIZATION_LEVELS,
-                   default=_DEFAULT.htp_optimization_level,
-                   help="QNN HTP graph finalization (0: QNN's default, what ships; 1: ~3x faster compile, a less "
-                   "optimized graph whose phone speed is unmeasured here; 3: the slowest)")
-    p.add_argument("--max-context-bytes", type=int, default=_DEFAULT.max_context_bytes,
-                   help="split a graph whose weights exceed this into layer-range contexts")
-    p.add_argument("--smoke-prompts", type=int, default=_DEFAULT.smoke_prompts, help="smoke run prompts (0: none)")
-    p.add_argument("--smoke-rounds", type=int, default=_DEFAULT.smoke_rounds, help="smoke run rounds per prompt")
-    p.add_argument("--allow-parity-failure", action="store_true",
-                   help="keep the bundle although its smoke run disagreed (manifest marked, warning)")
-    p.add_argument("--share-contexts", action="store_true", default=_DEFAULT.share_contexts,
-                   help="tree and prefill in one context binary with one copy of their weights (with --hub: the "
-                   "hub's link job; offline: unverified, the x86 simulator cannot load it)")
-    p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token)")
-    p.add_argument("--device", default=_DEFAULT.device, help="qai-hub device name")
-    p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
-    add_set_option(p, "export")
-    p.set_defaults(func=_cmd_export)
+    p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token); the same "
+                   "as --backend qai-hub")
 
     s = sub.add_parser(
         "smoke", help="hybrid drafting through a bundle's context binaries on the QNN HTP backend, vs onnxruntime CPU",
@@ -73,55 +56,44 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_cmd_smoke)
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
-    from hyco.export.stage import export
+def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> int:
+    from hyco.export.stage import export as build
 
     from hyco.artifacts import run_stage, stage_state
     from hyco.errors import HycoError
 
-    try:
-        config = section_config(_DEFAULT, "export", args.set, soc_model=args.soc_model, htp_arch=args.htp_arch, device=args.device,
-                                     max_context_bytes=args.max_context_bytes, smoke_prompts=args.smoke_prompts,
-                                     smoke_rounds=args.smoke_rounds, htp_optimization_level=args.htp_optimization_level,
-                                     share_contexts=args.share_contexts)
-    except ValueError as e:
-        raise HycoError(str(e)) from None
-    bundle_only = [f"--{k}" for k in ("convert", "qat", "vocab", "tokenizer", "verifier") if getattr(args, k)]
-    if args.htp_optimization_level:  # qai-hub compiles with its own settings
+    out = paths.pop("out")
+    bundle_only = [f"--{k}" for k in BUNDLE_ONLY if k in paths]
+    if export.htp_optimization_level:  # qai-hub compiles with its own settings
         bundle_only.append("--htp-optimization-level")
-    if args.hub:
+    if args.hub or export.backend == "qai-hub":
         from hyco.export.hub import hub_export
 
         if bundle_only:  # ignoring them would let the user think the hub jobs read them
             raise HycoError(f"export --hub reads only --calibrate (qai-hub compiles and profiles its QDQ graphs); "
                             f"{', '.join(bundle_only)} would not be used: drop them")
-        result = hub_export(calibrate=Path(args.calibrate), out=Path(args.out), config=config)
-        print(f"wrote {args.out}/hub.json: {len(result['jobs'])} qai-hub jobs on {config.device!r}")
+        result = hub_export(calibrate=paths["calibrate"], out=out, config=export)
+        print(f"wrote {out}/hub.json: {len(result['jobs'])} qai-hub jobs on {export.device!r}")
         return 0
     allow = args.allow_parity_failure
-    missing = [f"--{k}" for k in ("convert", "qat", "vocab") if not getattr(args, k)]
+    missing = [f"--{k}" for k in ("convert", "qat", "vocab") if k not in paths]
     if missing:
         raise HycoError(f"export needs {', '.join(missing)} (the bundle ships their LUTs, rope spec, encodings and "
                         "keep set); only `export --hub` runs on --calibrate alone")
-    paths = {k: Path(getattr(args, k)) for k in ("calibrate", "convert", "qat", "vocab")}
-    inputs = dict(paths)
-    for k in ("tokenizer", "verifier"):
-        if getattr(args, k):
-            inputs[k] = Path(getattr(args, k))
-    manifest = run_stage("export", Path(args.out), {"export": to_dict(config)}, inputs,
-                         lambda tmp: export(**paths, out=tmp, config=config, tokenizer=inputs.get("tokenizer"),
-                                            verifier=inputs.get("verifier"), allow_parity_failure=allow,
-                                            final=Path(args.out)),
+    stages = {k: paths[k] for k in ("calibrate", "convert", "qat", "vocab")}
+    manifest = run_stage("export", out, {"export": to_dict(export)}, paths,
+                         lambda tmp: build(**stages, out=tmp, config=export, tokenizer=paths.get("tokenizer"),
+                                           verifier=paths.get("verifier"), allow_parity_failure=allow, final=out),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     sizes = ", ".join(f"{k} {v:,} B" for k, v in s["binaries"].items())
     smoke = {True: "smoke passed", False: "smoke FAILED", None: "no smoke run (it needs --verifier and --smoke-prompts "
              "> 0)"}[s["smoke_passed"]]
-    print(f"wrote {args.out}/bundle ({stage_state(manifest)}): {sizes}; {smoke}")
+    print(f"wrote {out}/bundle ({stage_state(manifest)}): {sizes}; {smoke}")
     if manifest.get("proof_failed"):
         print(f"WARNING: proof failed, bundle kept (--allow-parity-failure) and manifest marked: "
               f"{manifest['proof_failed']}", file=sys.stderr)
-    print(f"next: hyco-convert smoke {args.out}/bundle --verifier VERIFIER_DIR")
+    print(f"next: hyco-convert smoke {out}/bundle --verifier VERIFIER_DIR")
     return 0
 
 

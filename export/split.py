@@ -123,7 +123,10 @@ def split_graph(graph: Path, out_dir: Path, limit: int, spec: GraphSpec | None =
     model = onnx.shape_inference.infer_shapes(onnx.load(str(graph)))
     nodes = list(model.graph.node)
     layers = node_layers(model)
-    ranges = plan_parts(model, limit)
+    try:
+        ranges = plan_parts(model, limit)
+    except HycoError as e:
+        raise HycoError(f"{graph}: {e}") from None
     part_of = [next(p for p, (a, b) in enumerate(ranges) if a <= layer <= b) for layer in layers]
     producer = {o: i for i, n in enumerate(nodes) for o in n.output}
     graph_inputs = {i.name for i in model.graph.input}

@@ -122,6 +122,7 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
             with phase(f"compile {stem}") if phase else contextlib.nullcontext():
                 compiled = shared.get(role) or compile_isolated(graph, bundle, stem, soc_model=config.soc_model,
                                                                 optimization_level=config.htp_optimization_level)
+            check_session_bytes(compiled.binary, stem, config)
             info = binary_info(compiled.binary)
             check_binary_io(info, part_spec, str(compiled.binary), str(calibrate / "io_spec.json"))
             rows.append({"context": compiled.context.name, "binary": compiled.binary.name,
@@ -140,6 +141,16 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
                                     "has loaded it (a device run through qai-hub must)")
     shutil.rmtree(bundle / ".split", ignore_errors=True)
     return graphs
+
+
+def check_session_bytes(binary: Path, part: str, config: ExportConfig) -> None:
+    """A context binary the phone could not load in one HTP session is refused here, not on the
+    phone: the weights were split under max_context_bytes, but the graph's own bytes ride on top."""
+    size = binary.stat().st_size
+    if size > config.max_session_bytes:
+        raise HycoError(f"{binary}: the {part} context binary is {size:,} bytes, over export.max_session_bytes "
+                        f"{config.max_session_bytes:,} (HTP sessions fail to load around 3.5-4 GB): lower "
+                        f"export.max_context_bytes to split it into smaller parts")
 
 
 def declare_binaries(graphs: dict[str, Any], qnn_sdk: str) -> None:

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import importlib
 import os
 import signal
 import sys
+import typing
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 from hyco.errors import HycoError, ProofFailed
 from hyco.launch import is_follower, refuse_launch
+from hyco.recipe import add_set_option, field_help, section_config
 from hyco.stages import STAGES
 
 # The subcommands whose prompts split over the processes of `accelerate launch` (hyco/launch.py).
@@ -33,6 +38,99 @@ def _cmd_run(args: argparse.Namespace) -> int:
     report = run_recipe(recipe, run_dir, force=args.force, allow_parity_failure=args.allow_parity_failure)
     print(f"wrote {run_dir}/run_report.json and {run_dir}/run_summary.md ({report['wall_s']:.1f} s)")
     return 0
+
+
+def stage_command(sub: argparse._SubParsersAction, name: str, *, help: str, description: str, run: Callable[..., int],
+                  sections: dict[str, Any] | None = None, inputs: dict[str, str] | None = None,
+                  optional: dict[str, str] | None = None, aliases: dict[str, str] | None = None,
+                  proof: bool = False) -> argparse.ArgumentParser:
+    """A stage's subcommand, built from its recipe sections: one flag per scalar field of each
+    section's dataclass (`--kebab-name`, help from the field's comment in hyco/recipe.py, a bool as
+    `--x / --no-x`, a tuple comma-separated), `--set SECTION.KEY=VALUE` for the first section, the
+    stage's input folders, `--out`, `--force` and, for a stage whose proof can fail,
+    `--allow-parity-failure`. `run(args, paths, **configs)` gets the sections typed and checked
+    as a recipe file's are (flags over the defaults, then --set) and the folders given (`out` too).
+    `aliases` keeps a field's documented older flag name (field -> "--flag")."""
+    sections, inputs, optional, aliases = sections or {}, inputs or {}, optional or {}, aliases or {}
+    p = sub.add_parser(name, help=help, description=description)
+    for key, text in {**inputs, **optional}.items():
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, required=key in inputs, help=text)
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    flags: dict[str, list[str]] = {}
+    for section, default in sections.items():
+        flags[section] = [field.name for field in config_flags(p, section, default, aliases)]
+    if proof:
+        p.add_argument("--allow-parity-failure", action="store_true",
+                       help="keep the artifacts although the stage's proof failed (manifest marked, warning printed)")
+    p.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching manifest")
+    first = next(iter(sections), None)
+    if first:
+        add_set_option(p, first)
+
+    def configs_of(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, Any]]:
+        configs = {section: section_config(default, section, args.set if section == first else (),
+                                           **{k: getattr(args, k) for k in flags[section] if hasattr(args, k)})
+                   for section, default in sections.items()}
+        paths = {k: Path(getattr(args, k)) for k in [*inputs, *optional, "out"] if getattr(args, k) is not None}
+        return paths, configs
+
+    def command(args: argparse.Namespace) -> int:
+        paths, configs = configs_of(args)
+        return run(args, paths, **configs)
+
+    p.set_defaults(func=command, configs_of=configs_of)
+    return p
+
+
+NOT_GIVEN = argparse.SUPPRESS  # a flag not given leaves the recipe's value (which may be null)
+
+
+def config_flags(p: argparse.ArgumentParser, section: str, default: Any, aliases: dict[str, str]) -> list:
+    """One flag per scalar field of a recipe section (mappings and nested sections: --set only)."""
+    hints, helps = typing.get_type_hints(type(default)), field_help(type(default))
+    added = []
+    for field in dataclasses.fields(default):
+        tp, value = hints[field.name], getattr(default, field.name)
+        if dataclasses.is_dataclass(tp) or isinstance(value, dict) or _is_pair(tp):
+            continue
+        name = aliases.get(field.name, f"--{field.name.replace('_', '-')}")
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        text = f"{helps.get(field.name) or 'recipe key'} (recipe {section}.{field.name}; default: {shown})"
+        text = text.replace("%", "%%")
+        if tp is bool:
+            p.add_argument(name, dest=field.name, action=argparse.BooleanOptionalAction, default=NOT_GIVEN, help=text)
+        else:  # a Literal's choices are checked by the recipe (one line, as for a recipe file), listed here
+            choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else field.name.upper()
+            p.add_argument(name, dest=field.name, type=_flag_value(tp), default=NOT_GIVEN, metavar=metavar, help=text)
+        added.append(field)
+    return added
+
+
+def _is_pair(tp: Any) -> bool:  # a fixed-length tuple such as qat.betas: --set only
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+
+
+def _flag_value(tp: Any) -> Callable[[str], Any]:
+    """A flag's text as a recipe value, typed and checked later by the recipe's own rules (so a
+    bad value is the same one-line error as in a recipe file): a tuple comma-separated, `none` /
+    `null` for an optional field, a number as Python reads it (YAML 1.1 reads 2e-5 as text)."""
+    if typing.get_origin(tp) is tuple:
+        item = _flag_value(typing.get_args(tp)[0])
+        return lambda text: [item(part.strip()) for part in text.split(",") if part.strip()]
+    inner = [a for a in typing.get_args(tp) if a is not type(None)] if type(None) in typing.get_args(tp) else [tp]
+
+    def read(text: str) -> Any:
+        if len(inner) < 2 and tp is not inner[0] and text.lower() in ("none", "null"):
+            return None
+        for number in (int, float):
+            if inner[0] is number or typing.get_origin(inner[0]) is Literal:
+                with contextlib.suppress(ValueError):
+                    return number(text)
+        return text
+
+    return read
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,8 +47,11 @@ from typing import Any
 
 import numpy as np
 
-# The one layer-type table: a config's layer type -> the suffix of its graph I/O (k_full, cos_sliding, ...)
-SHORT = {"full_attention": "full", "sliding_attention": "sliding"}
+from hyco.families import GEMMA4
+
+# The one layer-type table, the family's: a config's layer type -> the suffix of its graph I/O
+# (k_full, cos_sliding, ...)
+SHORT = GEMMA4.layer_types
 LAYER_TYPES = tuple(SHORT)
 
 

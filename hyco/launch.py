@@ -110,6 +110,7 @@ def run_split(main: Callable[[], int], follower: Callable[[dict[str, Any]], Any]
         word = _tell(None)
         if word["go"]:
             follower(word)
+        _end_launch()
         return 0
     _told_followers = False
     try:
@@ -117,6 +118,14 @@ def run_split(main: Callable[[], int], follower: Callable[[dict[str, Any]], Any]
     finally:
         if not _told_followers:
             _tell({"go": False})  # up to date, or refused before its build: the followers have nothing to do
+        _end_launch()
+
+
+def _end_launch() -> None:
+    """Take this process's part of the process group down once its last exchange is done. Left to
+    the interpreter's exit, gloo's threads were destroyed still joinable now and then, and the
+    process aborted ("terminate called without an active exception") after its work was written."""
+    _state().destroy_process_group()
 
 
 def refuse_launch(command: str) -> None:

@@ -21,13 +21,12 @@ from hyco.errors import HycoError
 
 GiB = 1024**3
 
-# Per model role: what its config must say and the tensors every stage that reads it needs.
+# Per model role: its quantization (the SLM's: one of its family's SLM formats, hyco/families.py)
+# and the tensors every stage that reads it needs; its model type is a registered family's.
 ROLES: dict[str, dict[str, Any]] = {
-    "slm": {"model_types": ("gemma4", "gemma4_text"), "quant_method": "gemma",
-            "tensors": ("embed_tokens.", "layers.0.self_attn.q_proj.weight")},
-    "verifier": {"model_types": ("gemma4", "gemma4_text"), "quant_method": None,
-                 "tensors": ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")},
-    "assistant": {"model_types": ("gemma4_assistant",), "quant_method": None, "tensors": ("layers.0.",)},
+    "slm": {"quant_method": "family", "tensors": ("embed_tokens.", "layers.0.self_attn.q_proj.weight")},
+    "verifier": {"quant_method": None, "tensors": ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")},
+    "assistant": {"quant_method": None, "tensors": ("layers.0.",)},
 }
 
 # Peak memory of a stage as a multiple of the bytes of the model it loads, as loaded: the verifier
@@ -63,23 +62,25 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in {path for _, _, path in tensors.values()})
 
 
-def check_model(role: str, folder: Path) -> int:
-    """`folder` laid out as the `role` needs: config model type (and quantization method), index
-    and shard headers whole, the tensors the stages read present. Returns its weight bytes."""
+def check_model(role: str, folder: Path, family: str | None = None) -> int:
+    """`folder` laid out as the `role` needs: a registered family's model type (`family`: the
+    recipe's models.family, which it must then be) and quantization method, index and shard
+    headers whole, the tensors the stages read present. Returns its weight bytes."""
+    from hyco.families import family_of, head_of
     from hyco.loading import checkpoint_files, config_quant_method, read_json
 
     if not folder.is_dir():
         raise HycoError(f"models.{role}: {folder} not found")
     config = read_json(folder / "config.json", f"{role} config.json")
     want = ROLES[role]
-    kind = config.get("model_type")
-    if kind not in want["model_types"]:
-        raise HycoError(f"{folder / 'config.json'}: models.{role} must be a {' or '.join(want['model_types'])} "
-                        f"checkpoint, but its model_type is {kind!r}")
+    where = f"{folder / 'config.json'} (models.{role})"
+    found = head_of(config, where)[0] if role == "assistant" else family_of(config, where)
+    if family is not None and found.name != family:
+        raise HycoError(f"{where}: a {found.name} checkpoint, but models.family is {family!r}")
     method = config_quant_method(config)
-    if want["quant_method"] is not None and method != want["quant_method"]:
+    if want["quant_method"] == "family" and method not in found.slm_formats:
         raise HycoError(f"{folder / 'config.json'}: models.{role} must be in the QAT mobile format (quant_method "
-                        f"{want['quant_method']!r}), but got {method!r}")
+                        f"{' or '.join(map(repr, found.slm_formats))}), but got {method!r}")
     if role == "verifier" and method is not None:  # a server's AWQ / GPTQ / compressed-tensors checkpoint
         from hyco.loading import check_server_quant
 
@@ -170,7 +171,7 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
         path = recipe.path(getattr(recipe.models, role), run_dir)
         used = path is not None and any(path == p for m in modules.values() for p in m.inputs(recipe, run_dir).values())
         if used and not Path(path).resolve().is_relative_to(run_dir.resolve()):
-            sizes[role] = check_model(role, Path(path))
+            sizes[role] = check_model(role, Path(path), recipe.models.family)
     for module in modules.values():  # tokenizers and anything else outside the run folder
         for path in module.inputs(recipe, run_dir).values():
             if not Path(path).resolve().is_relative_to(run_dir.resolve()):

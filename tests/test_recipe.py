@@ -91,7 +91,7 @@ def test_malformed_yaml_names_the_line(tmp_path):
     ("name: x\nout: o\nstages: [compile]\n", "stages must be among"),
     ("name: x\nout: o\nstages: [fixtures]\n", "needs a fixtures section"),
     ("name: x\nout: o\nstages: []\nversion: 9\n", "version must be 1, but got 9"),
-    ("name: x\nout: o\nstages: []\nfixtures:\n  preset: huge\n", r"fixtures\.preset must be one of \['tiny', 'tiny-text', 'e2b-shapes'\]"),
+    ("name: x\nout: o\nstages: []\nfixtures:\n  preset: huge\n", r"fixtures\.preset must be one of \['tiny', 'tiny-text', 'tiny-e4b', 'e2b-shapes', 'e4b-shapes'\]"),
     ("name: x\nstages: []\n", "missing 1 required"),
 ])
 def test_validation_messages(tmp_path, text, message):
