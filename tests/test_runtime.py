@@ -739,6 +739,29 @@ def test_slm_graph_refuses_another_ring(slm_graphs, keep):
         SlmOnnx(slm_graphs, keep_ids=keep, max_prompt=128, ring_full=64)
 
 
+def test_slm_graph_rewound_equals_a_fresh_context(slm_graphs, keep, prompt):
+    """The token bridge's rollback on the phone's graphs: forgetting the last 3 ring rows and
+    running new tokens in front of the tree equals a context that never held the old ones."""
+    import numpy as np
+
+    from hyco.runtime.slm_onnx import SlmOnnx
+    from hyco.runtime.tree import DraftTree
+
+    root, tail = prompt[-1], [int(t) for t in keep[5:8]]
+    rewound = SlmOnnx(slm_graphs, keep_ids=keep, max_prompt=128)
+    rewound.start(prompt[:-1])
+    rewound.rewind(len(prompt) - 4, tail)
+    fresh = SlmOnnx(slm_graphs, keep_ids=keep, max_prompt=128)
+    fresh.start(prompt[:-4])
+    fresh.commit(tail)
+    tree = DraftTree(root)
+    got, expected = rewound.propose(tree, [0], 8)[0], fresh.propose(tree, [0], 8)[0]
+    assert rewound.cached == fresh.cached == len(prompt) - 4 + len(tail)
+    # Same graph, same feeds but for stale slots behind the mask: masked keys add exp(-inf) = 0.
+    assert got[0] == expected[0]
+    np.testing.assert_allclose(got[1], expected[1], atol=1e-6, rtol=0)
+
+
 # --- greedy losslessness where drafts are accepted: the distilled family -------------------------
 #
 # On the undistilled family no draft is ever accepted, so "exact greedy decoding equals the

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyco.runtime.acceptance import keyed_samples
+from hyco.runtime.bridge import BridgeRound, SlmContext, TokenBridge, complete_text, encode
 from hyco.runtime.drafters import TreeDrafter
 from hyco.runtime.tree import CHAIN, DraftTree
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
@@ -52,6 +53,27 @@ class DecodeLog:
     verified: bool = True  # False: the SLM alone decoded it (no verifier pass)
     pd_bets: int = 0  # proactive drafting: bets made, and won (the next tree started from one)
     pd_wins: int = 0
+    bridge: list[BridgeRound] = field(default_factory=list)  # per round, through the token bridge
+    slm_tokens: int = 0  # through the token bridge: the output's text in SLM tokens
+
+
+def round_log(tree: DraftTree, reply, kept: int, probe: float, draft_s: float, pd_s: float = 0.0,
+              wire_tree: DraftTree | None = None) -> RoundLog:
+    """One round's log: `tree` as verified, `kept` of its committed tokens added to the text;
+    `wire_tree`: the tree the phone sent, when the server verified another (the token bridge's)."""
+    verdict = reply.verdict
+    drafted = verdict.path[1:1 + min(kept, verdict.accepted)]  # committed draft nodes
+    return RoundLog(
+        accepted_sources=[tree.nodes[i].source for i in drafted],
+        chain_depth_reached=max((tree.nodes[i].chain_depth for i in drafted if tree.nodes[i].source == CHAIN),
+                                default=0),
+        chain_planted=sum(n.source == CHAIN for n in tree.nodes),
+        bonus=verdict.bonus if kept > verdict.accepted else None,
+        unsampled=sum(not s for s in verdict.edge_sampled[:len(drafted)]),
+        rows_at_epsilon=int((reply.probs.double() >= probe).sum()),  # compared as verify_epsilon does
+        top_probability_sum=float(reply.probs.max(-1).values.sum()),
+        tree_nodes=len(tree) - 1, tree_bytes=(wire_tree or tree).wire_bytes(), draft_s=draft_s, pd_s=pd_s,
+    )
 
 
 def first_eos(tokens: list[int], eos_ids: set[int]) -> int | None:
@@ -80,19 +102,8 @@ def decode(prompt: list[int], verifier: ReferenceVerifier, drafter: TreeDrafter,
         new = verdict.committed_tokens(tree)
         eos = first_eos(new, eos_ids)
         kept = len(new) if eos is None else eos + 1  # tokens this round adds to the text
-        drafted = verdict.path[1:1 + min(kept, verdict.accepted)]  # committed draft nodes
         out += new[:kept]
-        log.rounds.append(RoundLog(
-            accepted_sources=[tree.nodes[i].source for i in drafted],
-            chain_depth_reached=max((tree.nodes[i].chain_depth for i in drafted if tree.nodes[i].source == CHAIN),
-                                    default=0),
-            chain_planted=sum(n.source == CHAIN for n in tree.nodes),
-            bonus=verdict.bonus if kept > verdict.accepted else None,
-            unsampled=sum(not s for s in verdict.edge_sampled[:len(drafted)]),
-            rows_at_epsilon=int((reply.probs.double() >= probe).sum()),  # compared as verify_epsilon does
-            top_probability_sum=float(reply.probs.max(-1).values.sum()),
-            tree_nodes=len(tree) - 1, tree_bytes=tree.wire_bytes(), draft_s=draft_s, pd_s=pd_s,
-        ))
+        log.rounds.append(round_log(tree, reply, kept, probe, draft_s, pd_s))
         if eos is not None:
             break
         drafter.commit([tree.nodes[i].token for i in verdict.path], reply)
@@ -133,4 +144,53 @@ def decode_alone(prompt: list[int], slm, *, topk: int, sampling: Sampling, seed:
         out.append(token)
         last = token
     log.tokens = out
+    return log
+
+
+def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: ReferenceVerifier,
+                   drafter: TreeDrafter, bridge: TokenBridge, *, epsilon: float, max_new_tokens: int,
+                   eos_ids: set[int], generator: torch.Generator | None,
+                   probe_epsilon: float | None = None) -> DecodeLog:
+    """Hybrid decoding through the token bridge (`bridge-slm`; hyco/runtime/bridge.py): the SLM
+    drafts its tree in its tokens on its own prompt (its chat template), the server maps the tree
+    to the verifier's tokens and verifies it on the verifier's prompt, and the SLM's context
+    follows the committed text. `log.tokens` are verifier tokens; `log.bridge` holds the bridge's
+    figures per round."""
+    if drafter.mtp is not None or drafter.config.pd_passes:
+        raise ValueError(f"{drafter.config.name}: the token bridge drafts SLM-only trees (no MTP head, no PD)")
+    probe = epsilon if probe_epsilon is None else probe_epsilon
+    log = DecodeLog(len(verifier_prompt))
+    reply = verifier.prefill(verifier_prompt, generator)
+    slm = drafter.slm
+    slm.start(slm_prompt)
+    context = SlmContext(bridge.slm_tokenizer, list(slm_prompt))
+    out = [reply.root]
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        start = time.perf_counter()
+        text, unfinished = complete_text(bridge.verifier_tokenizer, out)
+        unchanged = len(context.prompt) + context.stable  # context tokens no new text can change
+        context.sync(text)
+        ids = context.ids
+        keep = min(slm.cached, unchanged, len(ids) - 1)  # the root (last context token) runs in the tree pass
+        rolled_back = slm.cached - keep
+        slm.rewind(keep, ids[keep:-1])
+        sync_s = time.perf_counter() - start
+        start = time.perf_counter()
+        # A commit ending inside a character drafts nothing: the verifier finishes it first.
+        tree = DraftTree(ids[-1]) if unfinished else drafter.draft(ids[-1])
+        draft_s = time.perf_counter() - start
+        vtree, figures = bridge.verifier_tree(tree, ids[-4:], out[-1])
+        figures.sync_s, figures.rollback, figures.unfinished = sync_s, rolled_back, unfinished
+        log.bridge.append(figures)
+        reply = verifier.verify_tree(vtree, epsilon, generator)
+        new = reply.verdict.committed_tokens(vtree)
+        eos = first_eos(new, eos_ids)
+        kept = len(new) if eos is None else eos + 1
+        out += new[:kept]
+        log.rounds.append(round_log(vtree, reply, kept, probe, draft_s, wire_tree=tree))
+        if eos is not None:
+            break
+    log.tokens = out[:max_new_tokens]
+    text, _ = complete_text(bridge.verifier_tokenizer, [t for t in log.tokens if t not in eos_ids])
+    log.slm_tokens = len(encode(bridge.slm_tokenizer, text)[0])
     return log

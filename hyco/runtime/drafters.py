@@ -90,6 +90,17 @@ class SlmTorch:
     def commit(self, tokens: list[int]) -> None:
         self.backlog.extend(tokens)
 
+    @property
+    def cached(self) -> int:
+        """Context tokens whose K/V rows are in the ring (the backlog's are not yet)."""
+        return self.runner.committed
+
+    def rewind(self, keep: int, backlog: list[int]) -> None:
+        """Keep the first `keep` context rows, forget the rest, and run `backlog` in front of the
+        next pass (the token bridge's re-tokenized tail)."""
+        self.runner.rollback(self.runner.committed - keep)
+        self.backlog = list(backlog)
+
     def propose(self, tree: DraftTree, nodes: list[int], topk: int) -> dict[int, tuple[list[int], list[float]]]:
         """One pass over the tree (plus the backlog); top-k children and log-probs at `nodes`,
         over the keep set (the restricted output layer's log-softmax)."""

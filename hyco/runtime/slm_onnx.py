@@ -91,6 +91,19 @@ class SlmOnnx(SlmHost):
     def commit(self, tokens: list[int]) -> None:
         self.backlog.extend(tokens)
 
+    @property
+    def cached(self) -> int:
+        """Context tokens whose K/V rows are in the ring (the backlog's are not yet)."""
+        return self.committed
+
+    def rewind(self, keep: int, backlog: list[int]) -> None:
+        """Keep the first `keep` context rows and run `backlog` in front of the next pass (the
+        token bridge's re-tokenized tail). On the phone this is a mask edit: the ring's slots of
+        positions >= keep are marked empty (`KVRing.truncate`), nothing is copied."""
+        self.ring.truncate(keep)
+        self.committed = keep
+        self.backlog = list(backlog)
+
     def propose(self, tree: DraftTree, nodes: list[int], topk: int) -> dict[int, tuple[list[int], list[float]]]:
         rows = self.tree_spec.meta["rows"]
         if len(self.backlog) + len(tree) > rows:  # no room: the backlog takes a pass of its own

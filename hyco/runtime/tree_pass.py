@@ -1,7 +1,9 @@
-"""One forward pass of a transformers Gemma 4 causal LM over a draft tree on top of a KV cache.
+"""One forward pass of a transformers causal LM over a draft tree on top of a KV cache.
 
 Used by the reference verifier and by the float SLM drafter (and the oracle drafter, which is the
-verifier wrapped as an SLM). The recipe is the one platform.md checked: per-layer-type 4D additive
+verifier wrapped as an SLM); with Gemma 4 as the paper's models, and with a decoder of another
+family (Llama, Qwen) as the verifier behind the token bridge (hyco/runtime/bridge.py), which
+takes one 4D mask for its full-attention layers and hands nothing off. The recipe is the one platform.md checked: per-layer-type 4D additive
 masks (`attention_mask={"full_attention": ..., "sliding_attention": ...}`) with explicit
 `position_ids` (a node at depth d sits at position base + d).
 
@@ -14,7 +16,8 @@ layer's the smaller of `ring_sliding` and the model's window, as in hyco/host.py
 no row can see again are dropped from the cache.
 
 After a pass the tree rows sit in the cache as pending; `commit(rows)` keeps the K/V of the given
-rows (the root and the accepted path) and drops the rest.
+rows (the root and the accepted path) and drops the rest; `rollback(n)` forgets the last n committed
+tokens (the bridge's SLM, whose last committed tokens re-tokenize once more text follows).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ class CachedTreeModel:
         self.model = model.eval()
         self.device = input_device(model)
         config = model.config.get_text_config()
-        self.sliding_window = config.sliding_window
+        self.sliding_window = getattr(config, "sliding_window", None)
+        self.layer_types = [t for t in (FULL, SLIDING) if t in (getattr(config, "layer_types", None) or [FULL])]
+        self.gemma4 = hasattr(config, "num_kv_shared_layers")  # returns the shared K/V the hand-off carries
         self.ring = {FULL: ring_full, SLIDING: ring_sliding}
         self.cache = DynamicCache()
         self.key_positions = torch.zeros(0, dtype=torch.long)  # position of every cached key
@@ -60,7 +65,10 @@ class CachedTreeModel:
         full layer's window is its ring, a sliding layer's the smaller of ring and model window
         (hyco/host.py's rule, so the float SLM sees what the SLM graph sees)."""
         full, sliding = self.ring[FULL], self.ring[SLIDING]
-        return {FULL: full, SLIDING: self.sliding_window if sliding is None else min(sliding, self.sliding_window)}
+        windows = {FULL: full}
+        if SLIDING in self.layer_types:
+            windows[SLIDING] = self.sliding_window if sliding is None else min(sliding, self.sliding_window)
+        return windows
 
     def _masks(self, row_positions: torch.Tensor, ancestor: torch.Tensor) -> dict[str, torch.Tensor]:
         dtype = self.model.dtype
@@ -94,15 +102,17 @@ class CachedTreeModel:
         positions = self.committed + depth
         # One hook on the final norm gives both capture points (its input and its output); it is
         # removed after the pass, since several runners may share one model.
+        masks = {t: m.to(self.device) for t, m in self._masks(positions, ancestor).items()}
+        extra = {"return_shared_kv_states": True} if self.gemma4 else {}
         hook = self.model.get_decoder().norm.register_forward_hook(self._capture_norm)
         try:
             out = self.model(
                 input_ids=torch.tensor([tokens], device=self.device),
                 position_ids=positions[None].to(self.device),
-                attention_mask={t: m.to(self.device) for t, m in self._masks(positions, ancestor).items()},
+                attention_mask=masks if len(masks) > 1 or self.gemma4 else masks[FULL],
                 cache=self.cache,
                 use_cache=True,
-                return_shared_kv_states=True,
+                **extra,
             )
         finally:
             hook.remove()
@@ -111,7 +121,7 @@ class CachedTreeModel:
         # what leaves the pass is float32 on the CPU, wherever the model runs: the acceptance rules,
         # the hand-off and the metrics work there
         shared = {t: (k[0, :, -n:].float().cpu(), v[0, :, -n:].float().cpu())
-                  for t, (k, v) in (out.shared_kv_states or {}).items()}
+                  for t, (k, v) in (getattr(out, "shared_kv_states", None) or {}).items()}
         return PassOutput(out.logits[0].float().cpu(), self._norm_io["after"][0].float().cpu(),
                           self._norm_io["before"][0].float().cpu(), shared)
 
@@ -128,6 +138,22 @@ class CachedTreeModel:
         self.key_positions = self.key_positions[keep]
         self.committed += len(rows)
         self.pending = 0
+
+    def rollback(self, count: int) -> None:
+        """Forget the last `count` committed tokens (no pass pending). Keys a ring had already
+        dropped stay dropped: the window is short by those rows until new tokens refill it."""
+        if self.pending:
+            raise RuntimeError("commit() the pending pass before rolling back")
+        if not 0 <= count <= self.committed:
+            raise ValueError(f"cannot roll back {count} of {self.committed} committed tokens")
+        keep = self.key_positions < self.committed - count
+        index = torch.nonzero(keep).flatten()
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+                layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+        self.key_positions = self.key_positions[keep]
+        self.committed -= count
 
     def _inside_ring(self, keep: torch.Tensor, extra: int) -> torch.Tensor:
         """Drop keys that no mask can show again (every later row sits at a position >= the

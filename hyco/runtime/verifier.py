@@ -56,16 +56,19 @@ class Handoff:
 @dataclass(frozen=True)
 class Reply:
     root: int  # the token the verifier sampled last: the next tree's root
-    handoff: Handoff
+    handoff: Handoff | None  # None: a verifier that hands nothing off (the token bridge's)
     verdict: Verdict | None = None  # None for the prefill reply
     probs: torch.Tensor | None = None  # p~ per tree row (kept for metrics and tests)
 
 
 class ReferenceVerifier:
     def __init__(self, model, sampling: Sampling, *, capture_point: str = "after_norm", window: int | None = 1024,
-                 keyed_seed: int | None = None):
+                 keyed_seed: int | None = None, hand_off: bool = True):
         """`keyed_seed`: draw each token from a generator keyed by its position (`keyed_samples`),
-        so the committed text does not depend on the drafts; None: from the caller's generator."""
+        so the committed text does not depend on the drafts; None: from the caller's generator.
+        `hand_off=False`: replies carry no hand-off (a verifier of another family behind the
+        token bridge, whose phone runs no MTP head)."""
+        self.hand_off = hand_off
         self.model = model
         self.keyed_seed = keyed_seed
         self.runner = CachedTreeModel(model)
@@ -94,7 +97,7 @@ class ReferenceVerifier:
             root = int(keyed_samples(probs[-1:], [len(prompt)], self.keyed_seed)[0])
         first = 0 if self.window is None else max(0, len(prompt) - self.window)
         rows = list(range(first, len(prompt)))
-        return Reply(root, self._handoff(out, rows, 0, root))
+        return Reply(root, self._handoff(out, rows, 0, root) if self.hand_off else None)
 
     def verify_tree(self, tree: DraftTree, epsilon: float, generator: torch.Generator | None) -> Reply:
         start = self.runner.committed  # the root's position
@@ -104,4 +107,5 @@ class ReferenceVerifier:
             probs, [start + node.depth + 1 for node in tree.nodes], self.keyed_seed).tolist()
         verdict = verify(tree, probs, epsilon, generator, samples)
         self.runner.commit(verdict.path)
-        return Reply(verdict.bonus, self._handoff(out, verdict.path, verdict.path[-1], verdict.bonus), verdict, probs)
+        handoff = self._handoff(out, verdict.path, verdict.path[-1], verdict.bonus) if self.hand_off else None
+        return Reply(verdict.bonus, handoff, verdict, probs)
