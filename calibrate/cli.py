@@ -4,7 +4,6 @@ wrapper over `hyco.calibrate.stage.calibrate`)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hyco.cli import stage_command
 from hyco.recipe import CalibrateConfig, to_dict
@@ -29,7 +28,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateConfig) -> int:
     from hyco.calibrate.stage import calibrate as build
 
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
 
     out, inputs = paths.pop("out"), paths
     allow = args.allow_parity_failure
@@ -37,9 +36,7 @@ def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateCo
                          lambda tmp: build(**inputs, out=tmp, config=calibrate, allow_parity_failure=allow),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
-    if manifest.get("proof_failed"):
-        print(f"WARNING: proof failed, artifacts kept (--allow-parity-failure) and manifest marked: "
-              f"{manifest['proof_failed']}", file=sys.stderr)
+    warn_if_proof_failed(manifest)
     figures = ", ".join(f"{g}: top-1 {v['top1']}, cpu_nodes {v['cpu_nodes']}" for g, v in s.items() if isinstance(v, dict))
     print(f"wrote {out}: tree.qdq.onnx, prefill.qdq.onnx, mtp_step.qdq.onnx, io_spec.json, encodings.json "
           f"({stage_state(manifest)}); {figures}")

@@ -4,7 +4,6 @@ over `hyco.convert.stage.convert`)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hyco.cli import stage_command
 from hyco.recipe import ConvertConfig, to_dict
@@ -26,7 +25,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_convert(args: argparse.Namespace, paths: dict, convert: ConvertConfig) -> int:
     from hyco.convert.stage import convert as build
 
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
 
     allow = args.allow_parity_failure
     inputs = {k: paths[k] for k in ("checkpoint", "keep_set") if k in paths}
@@ -38,10 +37,8 @@ def _cmd_convert(args: argparse.Namespace, paths: dict, convert: ConvertConfig) 
     s = manifest["summary"]
     print(f"wrote {args.out}: tree.onnx, prefill.onnx, luts/, io_spec.json ({stage_state(manifest)}); "
           f"bit-exact: {s.get('bitexact_all_equal')}, parity: {s.get('parity_passed')}")
-    if manifest.get("proof_failed"):
-        print(f"WARNING: proof failed, artifacts kept (--allow-parity-failure) and manifest marked: "
-              f"{manifest['proof_failed']}", file=sys.stderr)
-    elif s.get("parity_ties") is not None:
+    warn_if_proof_failed(manifest)
+    if not manifest.get("proof_failed") and s.get("parity_ties") is not None:
         print(f"parity: bit-exact up to {s['parity_ties']} rounding ties (parity.json lists each)")
     print(f"next: the check stage's SLM Drafter runs {args.out} with check.backend onnxruntime "
           "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")

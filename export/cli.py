@@ -6,7 +6,6 @@ thin wrappers over `hyco.export.stage.export`, `hyco.export.hub.hub_export` and
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hyco.cli import stage_command
@@ -59,7 +58,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> int:
     from hyco.export.stage import export as build
 
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
     from hyco.errors import HycoError
 
     out = paths.pop("out")
@@ -90,9 +89,7 @@ def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> 
     smoke = {True: "smoke passed", False: "smoke FAILED", None: "no smoke run (it needs --verifier and --smoke-prompts "
              "> 0)"}[s["smoke_passed"]]
     print(f"wrote {out}/bundle ({stage_state(manifest)}): {sizes}; {smoke}")
-    if manifest.get("proof_failed"):
-        print(f"WARNING: proof failed, bundle kept (--allow-parity-failure) and manifest marked: "
-              f"{manifest['proof_failed']}", file=sys.stderr)
+    warn_if_proof_failed(manifest, "bundle")
     print(f"next: hyco-convert smoke {out}/bundle --verifier VERIFIER_DIR")
     return 0
 

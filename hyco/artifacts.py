@@ -615,6 +615,13 @@ def stage_state(manifest: Mapping[str, Any]) -> str:
     return f"built in {manifest['wall_s']:.1f} s"
 
 
+def warn_if_proof_failed(manifest: Mapping[str, Any], kept: str = "artifacts") -> None:
+    """A stage built with --allow-parity-failure whose proof failed says so on stderr."""
+    if manifest.get("proof_failed"):
+        print(f"WARNING: proof failed, {kept} kept (--allow-parity-failure) and manifest marked: "
+              f"{manifest['proof_failed']}", file=sys.stderr)
+
+
 def markdown_table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

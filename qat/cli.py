@@ -4,7 +4,6 @@ over `hyco.qat.stage.build_qat`)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hyco.cli import stage_command
@@ -29,7 +28,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_qat(args: argparse.Namespace, paths: dict, qat: QatConfig) -> int:
     from hyco.qat.stage import build_qat, capture_share
 
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
     from hyco.launch import run_split
 
     out, inputs = paths.pop("out"), paths
@@ -44,9 +43,7 @@ def _cmd_qat(args: argparse.Namespace, paths: dict, qat: QatConfig) -> int:
         print(f"MTP head top-1 agreement with the float head: {top1}; {s['s_per_step']} s/step: {stage_state(manifest)}")
         print(f"wrote {out}/head_w4.safetensors, encodings.json, mtp_step.onnx, embed_lut.safetensors, io_spec.json, "
               "report.json, loss.png, agreement.png")
-        if manifest.get("proof_failed"):
-            print(f"WARNING: proof failed, artifacts kept (--allow-parity-failure) and manifest marked: "
-                  f"{manifest['proof_failed']}", file=sys.stderr)
+        warn_if_proof_failed(manifest)
         print(f"next: the check stage's MTP Drafter runs {out}/mtp_step.onnx with check.backend onnxruntime "
               "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
         return 0
