@@ -8,14 +8,22 @@ lossless: whatever the bridge sends, the committed text is the verifier's own sa
 
 Boundaries. A tokenization's last tokens can change once more text follows ("hel" + "lo" is one
 token "hello"; "12" + "3" regroups digits; a run of spaces hands its last space to the next word).
-Our rule: the last word of a text, with the whitespace in front of it (`\\s*\\S*` at the end), is
-unstable, and only the tokens that end before it are drafted. Text can only continue that word or
-start after it, and none of the tokenizers we meet (byte-level BPE with a regex pre-tokenizer,
-Gemma's SentencePiece-style BPE) merges across whitespace into a word it has already closed:
-tests/test_bridge.py checks the rule on real text and both kinds of tokenizer. A path that ends in
-the SLM's end-of-turn is complete: all its tokens are drafted, then the verifier's own EOS. A
-trailing byte token that does not finish its character is cut, and so is a path at any other
-special or markup token of the SLM (its markup means nothing to the verifier).
+The stable rule: the last word of a text, with the whitespace in front of it (`\\s*\\S*` at the
+end), is unstable, and only the tokens that end before it stay tokens whatever follows. Text can
+only continue that word or start after it, and none of the tokenizers we meet (byte-level BPE with
+a regex pre-tokenizer, Gemma's SentencePiece-style BPE) merges across whitespace into a word it has
+already closed: tests/test_bridge.py checks the rule on real text and three tokenizers.
+
+Where it applies. The SLM's context follows the rule (below): a non-canonical tokenization would
+stay in its ring. The verifier's tree drafts each path's last word too (`draft_tail`, the
+default): a tail that tokenizes otherwise once text follows is a draft the exact check rejects,
+which costs a verification row and never the text, and a tail that matches is accepted (on the
+tiny pair it raised MAT under both rules: bench/bench_bridge.py against `--trim-tail`).
+`draft_tail=False` trims every path at its last word instead and counts the SLM tokens that lost. Under the epsilon rule an accepted tail can
+commit a non-canonical tokenization, which the verifier then carries in its context. A path that
+ends in the SLM's end-of-turn is drafted whole, then the verifier's own EOS. A trailing byte token
+that does not finish its character is cut, and so is a path at any other special or markup token
+of the SLM (its markup means nothing to the verifier).
 
 The SLM's side. The phone keeps its context as the committed text in SLM tokens: the prompt in
 its own chat template, then the reply. The reply's unstable tail is re-tokenized each round with
@@ -135,11 +143,13 @@ class SlmContext:
 class TokenBridge:
     """Maps SLM draft trees to verifier trees and keeps the SLM's context in step with the text."""
 
-    def __init__(self, slm_tokenizer, verifier_tokenizer, *, slm_eos: set[int], verifier_eos: int):
+    def __init__(self, slm_tokenizer, verifier_tokenizer, *, slm_eos: set[int], verifier_eos: int,
+                 draft_tail: bool = True):
         check_round_trip(slm_tokenizer, "the SLM's")
         check_round_trip(verifier_tokenizer, "the verifier's")
         self.slm_tokenizer, self.verifier_tokenizer = slm_tokenizer, verifier_tokenizer
         self.slm_eos, self.verifier_eos = set(slm_eos), int(verifier_eos)
+        self.draft_tail = draft_tail
         self.slm_markup = markup_ids(slm_tokenizer) | self.slm_eos
 
     def path_text(self, anchor: list[int], path: list[int]) -> tuple[str, bool]:
@@ -167,7 +177,7 @@ class TokenBridge:
             node = tree.nodes[i]
             path = [tree.nodes[j].token for j in tree.path_to(i)[1:]]
             text, ended = self.path_text(anchor, path)
-            ids, stable, chars = stable_tokens(self.verifier_tokenizer, text, complete=ended)
+            ids, stable, chars = stable_tokens(self.verifier_tokenizer, text, complete=ended or self.draft_tail)
             parent = 0
             for token in ids[:stable] + ([self.verifier_eos] if ended else []):
                 parent = out.add(parent, token, min(node.score, out.nodes[parent].score), node.source)

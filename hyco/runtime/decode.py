@@ -18,7 +18,7 @@ import torch
 from hyco.runtime.acceptance import keyed_samples
 from hyco.runtime.bridge import BridgeRound, SlmContext, TokenBridge, complete_text, encode
 from hyco.runtime.drafters import TreeDrafter
-from hyco.runtime.tree import CHAIN, DraftTree
+from hyco.runtime.tree import CHAIN, DraftTree, trim_with_map
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
 
@@ -180,6 +180,7 @@ def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: 
         tree = DraftTree(ids[-1]) if unfinished else drafter.draft(ids[-1])
         draft_s = time.perf_counter() - start
         vtree, figures = bridge.verifier_tree(tree, ids[-4:], out[-1])
+        vtree, _ = trim_with_map(vtree, drafter.config.budget)  # the server verifies at most the phone's budget
         figures.sync_s, figures.rollback, figures.unfinished = sync_s, rolled_back, unfinished
         log.bridge.append(figures)
         reply = verifier.verify_tree(vtree, epsilon, generator)
