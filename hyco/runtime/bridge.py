@@ -15,8 +15,9 @@ a regex pre-tokenizer, Gemma's SentencePiece-style BPE) merges across whitespace
 already closed: tests/test_bridge.py checks the rule on real text and three tokenizers.
 
 Where it applies. The SLM's context follows the rule (below): a non-canonical tokenization would
-stay in its ring. The verifier's tree drafts each path's last word too (`draft_tail`, the
-default): a tail that tokenizes otherwise once text follows is a draft the exact check rejects,
+stay in its ring. The verifier's tree drafts the last word of each leaf's path too (`draft_tail`,
+the default; an inner node's last word is its children's, and drafting it there would only add
+branches such as " 1" beside " 12"): a tail that tokenizes otherwise once text follows is a draft the exact check rejects,
 which costs a verification row and never the text, and a tail that matches is accepted (on the
 tiny pair it raised MAT under both rules: bench/bench_bridge.py against `--trim-tail`).
 `draft_tail=False` trims every path at its last word instead and counts the SLM tokens that lost. Under the epsilon rule an accepted tail can
@@ -173,11 +174,13 @@ class TokenBridge:
         out = DraftTree(verifier_root)
         texts: dict[int, str] = {0: ""}
         covered: dict[int, int] = {0: 0}  # characters of each node's path text that reached the verifier
+        inner = {n.parent for n in tree.nodes}  # nodes whose text their children's paths carry on
         for i in range(1, len(tree)):
             node = tree.nodes[i]
             path = [tree.nodes[j].token for j in tree.path_to(i)[1:]]
             text, ended = self.path_text(anchor, path)
-            ids, stable, chars = stable_tokens(self.verifier_tokenizer, text, complete=ended or self.draft_tail)
+            whole = ended or (self.draft_tail and i not in inner)
+            ids, stable, chars = stable_tokens(self.verifier_tokenizer, text, complete=whole)
             parent = 0
             for token in ids[:stable] + ([self.verifier_eos] if ended else []):
                 parent = out.add(parent, token, min(node.score, out.nodes[parent].score), node.source)
