@@ -289,3 +289,26 @@ def test_the_bridge_runs_the_tiny_slm_against_a_verifier_of_another_family(tiny_
         assert len(log.bridge) == len(log.rounds) and len(drafted) >= len(log.rounds) // 2
         assert all(f.slm_nodes > 0 for f in drafted) and all(f.slm_nodes == 0 for f in log.bridge if f.unfinished)
         assert log.slm_tokens > 0
+
+
+def test_the_cross_family_verifier_is_a_transformers_checkpoint_of_another_family(tmp_path):
+    """hyco/fixtures/cross_family.py's folder, at a few steps: transformers loads it by its
+    config.json (LlamaForCausalLM, BF16), its tokenizer round-trips text and writes Llama 3's chat
+    format, and the bridge accepts it beside the Gemma-layout SLM tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hyco.fixtures.cross_family import EOT, write_cross_family_verifier
+
+    report = write_cross_family_verifier(tmp_path / "verifier", steps=3, conversations=40, tokenizer_bytes=60_000,
+                                         vocab_size=512, seq=32, batch=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "verifier")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "verifier")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.bfloat16
+    assert model.config.vocab_size == len(tok) == report["vocab"] == 512 and report["steps"] == 3
+    assert tok.eos_token == EOT and tok.eos_token_id in model.generation_config.eos_token_id
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    assert tok.decode(ids) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    bridge_rules.check_round_trip(tok, "the cross-family verifier's")
+    assert report["exchanges"] > 10 and report["loss_first"] > 0
