@@ -143,6 +143,11 @@ def test_unfinished_characters_and_markup_are_cut_from_a_path(gemma, bpe):
     assert bridge.path_text(anchor, half) == (" ok", False)  # an emoji's first two bytes: cut
     markup = encode(gemma, " fine")[0] + [gemma.convert_tokens_to_ids("<start_of_turn>")] + encode(gemma, " more")[0]
     assert bridge.path_text(anchor, markup) == (" fine", False)
+    # Text that spells the verifier's end-of-turn marker stays text: no EOS is drafted.
+    tree = DraftTree(anchor[-1])
+    chain(tree, 0, encode(gemma, " done<|eot_id|> more")[0])
+    vtree, _ = bridge.verifier_tree(tree, anchor, verifier_root=7)
+    assert bpe.eos_token_id not in vtree.tokens[1:] and len(vtree) > 3
 
 
 def test_a_tokenizer_that_rewrites_text_is_refused_by_name():

@@ -58,8 +58,10 @@ def unstable_from(text: str) -> int:
 
 
 def encode(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """Token ids of `text` (no special tokens added) and each token's end as a character offset."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    """Token ids of `text` (no special tokens added) and each token's end as a character offset.
+    Text that spells a special token ("<|eot_id|>") stays text: a draft cannot end a turn by
+    writing its marker."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
     return list(enc["input_ids"]), [end for _, end in enc["offset_mapping"]]
 
 
