@@ -317,3 +317,26 @@ def test_the_cross_family_verifier_is_a_transformers_checkpoint_of_another_famil
                                "<|start_header_id|>assistant<|end_header_id|>\n\n")
     bridge_rules.check_round_trip(tok, "the cross-family verifier's")
     assert report["exchanges"] > 10 and report["loss_first"] > 0
+
+
+def test_the_bridge_bench_reports_its_figures(tmp_path, tiny_family_distilled):
+    """bench/bench_bridge.py end to end on a few-step verifier: the report holds each
+    configuration's figures, the text's statistics, and the exact run's lossless verdict."""
+    import json
+    import subprocess
+
+    from hyco.fixtures.cross_family import write_cross_family_verifier
+
+    write_cross_family_verifier(tmp_path / "verifier", steps=3, conversations=40, tokenizer_bytes=60_000,
+                                vocab_size=512, seq=32, batch=2)
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_bridge.py"
+    done = subprocess.run([sys.executable, str(bench), "--out", str(tmp_path / "out"), "--verifier",
+                           str(tmp_path / "verifier"), "--prompts", "2", "--new-tokens", "8"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "bench_report.json").read_text())
+    assert report["exact_outputs_equal_the_verifiers_own"] is True and report["prompts"] == 2
+    for name in ("specedge", "specedge-eps"):
+        row = report["configs"][name]
+        assert row["mat"] >= 1.0 and row["rounds"] > 0 and row["host_ms_per_round"] > 0
+    assert report["text"]["tokens"] > 0 and (tmp_path / "out" / "bench_summary.md").is_file()
