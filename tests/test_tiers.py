@@ -7,6 +7,7 @@ fails here. Collecting the suite three times takes ~30 s, hence the slow tier.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -28,9 +29,11 @@ def ci_tiers() -> list[list[str]]:
 
 
 def collected(args: list[str]) -> set[str]:
-    # -n 0 after the tier's own arguments: xdist's workers would collect, not this process
+    # -n 0 after the tier's own arguments: xdist's workers would collect, not this process; the
+    # caller's PYTEST_ADDOPTS (-v, say) would change what --collect-only -q prints
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args, "-n", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return {line for line in done.stdout.splitlines() if "::" in line}
 
