@@ -340,3 +340,32 @@ def test_the_bridge_bench_reports_its_figures(tmp_path, tiny_family_distilled):
         row = report["configs"][name]
         assert row["mat"] >= 1.0 and row["rounds"] > 0 and row["host_ms_per_round"] > 0
     assert report["text"]["tokens"] > 0 and (tmp_path / "out" / "bench_summary.md").is_file()
+
+
+def test_the_phones_slm_graphs_draft_through_the_bridge(ladder, tiny_family, tiny_tok, bpe):
+    """The SLM as the phone runs it (the ladder's convert graphs on onnxruntime, keep set 1,345,
+    rings 128 / 64) drafting through the bridge: its ring rolls back by `KVRing.truncate` between
+    rounds, and exact verification still commits the verifier's own keyed samples."""
+    from hyco.runtime_check.check import _keep_ids
+
+    from hyco.runtime.slm_onnx import SlmOnnx
+
+    keep = _keep_ids(ladder / "vocab", tiny_family["tokenizer"], len(tiny_tok))
+    verifier_model = tiny_llama(len(bpe), seed=7)
+    sampling = Sampling(temperature=1.0, top_k=16, top_p=0.95)
+    text = "List 3 colours of the sea, in 12 words."
+    prompt = encode(bpe, text)[0]
+    slm_prompt = tiny_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+    bridge = TokenBridge(tiny_tok, bpe, slm_eos={1, tiny_tok.convert_tokens_to_ids("<turn|>")},
+                         verifier_eos=bpe.eos_token_id)
+    reference = alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None), prompt, 20)
+    cfg = decode_config("specedge", CheckConfig(temperature=1.0))
+    drafter = TreeDrafter(cfg, None, SlmOnnx(ladder / "convert", keep_ids=keep, max_prompt=128))
+    verifier = ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None)
+    log = decode_bridged(prompt, list(slm_prompt), verifier, drafter, bridge, epsilon=1.0, max_new_tokens=20,
+                         eos_ids={bpe.eos_token_id}, generator=None)
+    assert log.tokens == reference
+    drafted = [f for f in log.bridge if not f.unfinished]
+    assert drafted and all(f.slm_nodes > 0 and f.verifier_nodes > 0 for f in drafted)
+    assert any(f.rollback for f in log.bridge) and drafter.slm.cached <= len(slm_prompt) + log.slm_tokens
