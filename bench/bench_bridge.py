@@ -38,10 +38,9 @@ from hyco.fixtures.cross_family import write_cross_family_verifier
 from hyco.recipe import CheckConfig
 from hyco.runtime.bridge import TokenBridge
 from hyco.runtime.configs import decode_config
-from hyco.runtime.decode import decode_bridged
+from hyco.runtime.decode import decode_bridged, verifier_alone
 from hyco.runtime.drafters import SlmTorch, TreeDrafter
 from hyco.runtime.inputs import load_model
-from hyco.runtime.tree import DraftTree
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
 from hyco.splits import is_evaluation
 
@@ -62,14 +61,6 @@ def evaluation_prompts(count: int) -> list[str]:
 def chat(tok, text: str) -> list[int]:
     return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False))
-
-
-def alone(verifier: ReferenceVerifier, prompt: list[int], n: int, eos: set[int]) -> tuple[list[int], int]:
-    """The verifier by itself (one-node trees): its tokens and its passes after the prefill."""
-    out = [verifier.prefill(prompt, None).root]
-    while len(out) < n and out[-1] not in eos:
-        out.append(verifier.verify_tree(DraftTree(out[-1]), 1.0, None).root)
-    return out, len(out) - 1
 
 
 def main() -> None:
@@ -107,7 +98,7 @@ def main() -> None:
     references = []
     for i, text in enumerate(texts):
         verifier = ReferenceVerifier(ver_model, sampling, keyed_seed=check.seed + i, hand_off=False, window=None)
-        tokens, passes = alone(verifier, chat(ver_tok, text), args.new_tokens, eos)
+        tokens = verifier_alone(verifier, chat(ver_tok, text), args.new_tokens, eos)
         references.append(tokens)
         outputs.append(tokens)
     rows["verifier alone"] = {"mat": 1.0, "wall_s": round(time.perf_counter() - start, 1)}

@@ -20,7 +20,7 @@ from hyco.recipe import CheckConfig  # noqa: E402
 from hyco.runtime import bridge as bridge_rules  # noqa: E402
 from hyco.runtime.bridge import SlmContext, TokenBridge, encode, stable_tokens  # noqa: E402
 from hyco.runtime.configs import decode_config  # noqa: E402
-from hyco.runtime.decode import decode_bridged  # noqa: E402
+from hyco.runtime.decode import decode_bridged, verifier_alone  # noqa: E402
 from hyco.runtime.drafters import SlmTorch, TreeDrafter  # noqa: E402
 from hyco.runtime.inputs import load_model  # noqa: E402
 from hyco.runtime.tree import SLM, DraftTree  # noqa: E402
@@ -234,14 +234,6 @@ class OracleSlm:
         return out
 
 
-def alone(verifier: ReferenceVerifier, prompt: list[int], n: int) -> list[int]:
-    """The verifier decoding by itself: one-node trees."""
-    out = [verifier.prefill(prompt, None).root]
-    while len(out) < n:
-        out.append(verifier.verify_tree(DraftTree(out[-1]), 1.0, None).root)
-    return out
-
-
 @pytest.mark.parametrize("draft_tail", [False, True])
 def test_exact_verification_through_the_bridge_commits_the_verifiers_own_text(bpe, gemma, draft_tail):
     """A verifier whose text is known (greedy with a table-driven model is too peaky to be
@@ -251,7 +243,7 @@ def test_exact_verification_through_the_bridge_commits_the_verifiers_own_text(bp
     verifier_model = tiny_llama(len(bpe), seed=3)
     sampling = Sampling(temperature=1.0, top_k=8, top_p=1.0)
     prompt = encode(bpe, "Translate: déjà vu, 12345 and    spaces.")[0]
-    reference = alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=11, hand_off=False, window=None), prompt, 48)
+    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=11, hand_off=False, window=None), prompt, 48)
     text = bpe.decode(reference[:-1]).rstrip("\ufffd")  # the oracle knows all but the last token's text
     bridge = TokenBridge(gemma, bpe, slm_eos={gemma.convert_tokens_to_ids("<end_of_turn>")}, verifier_eos=bpe.eos_token_id,
                          draft_tail=draft_tail)
@@ -281,7 +273,7 @@ def test_the_bridge_runs_the_tiny_slm_against_a_verifier_of_another_family(tiny_
                                               add_generation_prompt=True, tokenize=True)["input_ids"]
     bridge = TokenBridge(tiny_tok, bpe, slm_eos={1, tiny_tok.convert_tokens_to_ids("<turn|>")},
                          verifier_eos=bpe.eos_token_id)
-    reference = alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=2, hand_off=False, window=None), prompt, 24)
+    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=2, hand_off=False, window=None), prompt, 24)
     for name, epsilon in (("specedge", 1.0), ("specedge-eps", 0.05)):
         cfg = decode_config(name, CheckConfig(temperature=1.0))
         drafter = TreeDrafter(cfg, None, SlmTorch(slm, keep_ids=None, ring_full=1024, ring_sliding=512, max_prompt=1024))
@@ -359,7 +351,7 @@ def test_the_phones_slm_graphs_draft_through_the_bridge(ladder, tiny_family, tin
                                               tokenize=True, return_dict=False)
     bridge = TokenBridge(tiny_tok, bpe, slm_eos={1, tiny_tok.convert_tokens_to_ids("<turn|>")},
                          verifier_eos=bpe.eos_token_id)
-    reference = alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None), prompt, 20)
+    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None), prompt, 20)
     cfg = decode_config("specedge", CheckConfig(temperature=1.0))
     drafter = TreeDrafter(cfg, None, SlmOnnx(ladder / "convert", keep_ids=keep, max_prompt=128))
     verifier = ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None)

@@ -147,6 +147,16 @@ def decode_alone(prompt: list[int], slm, *, topk: int, sampling: Sampling, seed:
     return log
 
 
+def verifier_alone(verifier: ReferenceVerifier, prompt: list[int], max_new_tokens: int,
+                   eos_ids: set[int] = frozenset()) -> list[int]:
+    """The verifier decoding by itself, one-node trees through the same tree pass: the reference
+    text a bridged run must commit, and the cost reference (one pass a token)."""
+    out = [verifier.prefill(prompt, None).root]
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        out.append(verifier.verify_tree(DraftTree(out[-1]), 1.0, None).root)
+    return out
+
+
 def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: ReferenceVerifier,
                    drafter: TreeDrafter, bridge: TokenBridge, *, epsilon: float, max_new_tokens: int,
                    eos_ids: set[int], generator: torch.Generator | None,
