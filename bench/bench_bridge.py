@@ -98,7 +98,7 @@ def main() -> None:
     references = []
     for i, text in enumerate(texts):
         verifier = ReferenceVerifier(ver_model, sampling, keyed_seed=check.seed + i, hand_off=False, window=None)
-        tokens = verifier_alone(verifier, chat(ver_tok, text), args.new_tokens, eos)
+        tokens = verifier_alone(verifier, chat(ver_tok, text), args.new_tokens, eos).tokens
         references.append(tokens)
         outputs.append(tokens)
     rows["verifier alone"] = {"mat": 1.0, "wall_s": round(time.perf_counter() - start, 1)}

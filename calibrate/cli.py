@@ -12,9 +12,10 @@ from hyco.recipe import CalibrateConfig, to_dict
 def add_cli(sub: argparse._SubParsersAction) -> None:
     stage_command(
         sub, "calibrate", run=_cmd_calibrate, sections={"calibrate": CalibrateConfig()}, proof=True,
-        inputs={"convert": "convert stage output folder", "qat": "qat stage output folder (mtp_step.onnx, captures/)",
-                "vocab": "vocab stage output folder (keep_set.json)",
+        inputs={"convert": "convert stage output folder", "vocab": "vocab stage output folder (keep_set.json)",
                 "answers": "answers stage output folder (answers.jsonl)"},
+        optional={"qat": "qat stage output folder (mtp_step.onnx, captures/); without it the SLM graphs only "
+                         "(no MTP Drafter on the phone, e.g. the token bridge's recipes)"},
         aliases={"activation_calibration": "--calibration", "activation_percentile": "--percentile"},
         help="16-bit activations, 8-bit KV: convert's and qat's graphs -> QDQ ONNX the HTP runs whole",
         description="Drive convert's tree/prefill graphs and qat's MTP step graph as the phone does on the reserved "
@@ -33,12 +34,14 @@ def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateCo
     out, inputs = paths.pop("out"), paths
     allow = args.allow_parity_failure
     manifest = run_stage("calibrate", out, {"calibrate": to_dict(calibrate)}, inputs,
-                         lambda tmp: build(**inputs, out=tmp, config=calibrate, allow_parity_failure=allow),
+                         lambda tmp: build(**{"qat": None, **inputs}, out=tmp, config=calibrate,
+                                           allow_parity_failure=allow),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     warn_if_proof_failed(manifest)
     figures = ", ".join(f"{g}: top-1 {v['top1']}, cpu_nodes {v['cpu_nodes']}" for g, v in s.items() if isinstance(v, dict))
-    print(f"wrote {out}: tree.qdq.onnx, prefill.qdq.onnx, mtp_step.qdq.onnx, io_spec.json, encodings.json "
-          f"({stage_state(manifest)}); {figures}")
-    print(f"next: hyco-convert export --calibrate {out} --convert {inputs['convert']} --qat {inputs['qat']} --out DIR")
+    graphs = "tree.qdq.onnx, prefill.qdq.onnx" + (", mtp_step.qdq.onnx" if "qat" in inputs else "")
+    print(f"wrote {out}: {graphs}, io_spec.json, encodings.json ({stage_state(manifest)}); {figures}")
+    qat = f" --qat {inputs['qat']}" if "qat" in inputs else ""
+    print(f"next: hyco-convert export --calibrate {out} --convert {inputs['convert']}{qat} --out DIR")
     return 0

@@ -363,13 +363,16 @@ def run_mtp(qat: Path, out: Path, inputs: dict, config, negative: float, tmp: Pa
     return {"graphs": {"mtp": res}, "htp_feeds": {"mtp": [f for burst in q_b for f, _ in burst]}}
 
 
-def run_all(convert: Path, qat: Path, out: Path, inputs: dict, config, slm_negative: float, mtp_negative: float,
-            tmp: Path, phase=None) -> dict[str, Any]:
-    """`phase`: the stage's `artifacts.Phases` (default: a log of its own)."""
+def run_all(convert: Path, qat: Path | None, out: Path, inputs: dict, config, slm_negative: float,
+            mtp_negative: float | None, tmp: Path, phase=None) -> dict[str, Any]:
+    """`phase`: the stage's `artifacts.Phases` (default: a log of its own). `qat` None: the SLM's
+    graphs only."""
     from hyco.artifacts import Phases
 
     phase = phase or Phases("calibrate")
     slm = run_slm(convert, out, inputs, config, slm_negative, tmp, phase)
+    if qat is None:
+        return slm
     with phase("fidelity: MTP"):
         mtp = run_mtp(qat, out, inputs, config, mtp_negative, tmp)
     return {"graphs": {**slm["graphs"], **mtp["graphs"]}, "htp_feeds": {**slm["htp_feeds"], **mtp["htp_feeds"]}}

@@ -64,28 +64,32 @@ def _manifest_tokenizer(folder: Path) -> Path | None:
     return Path(value) if value else None
 
 
-def check_inputs(convert: Path, qat: Path, vocab: Path, answers: Path) -> dict[str, Any]:
+def check_inputs(convert: Path, qat: Path | None, vocab: Path, answers: Path) -> dict[str, Any]:
     """Every file the stage reads, checked before anything is written: present, one keep set,
-    one tokenizer family. Returns the parsed pieces."""
+    one tokenizer family. Returns the parsed pieces. `qat` None: no MTP Drafter (a recipe without
+    qat, e.g. the token bridge's), the SLM graphs only."""
     from hyco.answers import ANSWERS, read_answers
     from hyco.io_spec import read_io_spec
     from hyco.keepset import load_keep_set
 
-    convert, qat, vocab, answers_dir = Path(convert), Path(qat), Path(vocab), Path(answers)
+    convert, vocab, answers_dir = Path(convert), Path(vocab), Path(answers)
+    qat = None if qat is None else Path(qat)
     c_specs = read_io_spec(_need(convert / "io_spec.json", "convert's io_spec"))
     for name in SLM_GRAPHS.values():
         if name not in c_specs:
             raise HycoError(f"{convert / 'io_spec.json'}: no graph {name}")
         _need(convert / name, "convert graph")
-    q_specs = read_io_spec(_need(qat / "io_spec.json", "qat's io_spec"))
-    if MTP_GRAPH not in q_specs:
-        raise HycoError(f"{qat / 'io_spec.json'}: no graph {MTP_GRAPH}")
-    _need(qat / MTP_GRAPH, "qat step graph")
-    _need(qat / "encodings.json", "qat encodings (the MTP inputs' ranges)")
+    q_specs = {}
+    if qat is not None:
+        q_specs = read_io_spec(_need(qat / "io_spec.json", "qat's io_spec"))
+        if MTP_GRAPH not in q_specs:
+            raise HycoError(f"{qat / 'io_spec.json'}: no graph {MTP_GRAPH}")
+        _need(qat / MTP_GRAPH, "qat step graph")
+        _need(qat / "encodings.json", "qat encodings (the MTP inputs' ranges)")
     answers = read_answers(answers_dir / ANSWERS)
     keep = load_keep_set(_need(vocab / "keep_set.json", "keep set"))
     # one tokenizer family: the keep set's tokenizer hash against each stage's tokenizer
-    for folder in (convert, qat):
+    for folder in (f for f in (convert, qat) if f is not None):
         tok = _manifest_tokenizer(folder)
         if tok is not None and tok.is_dir():
             try:
@@ -94,18 +98,21 @@ def check_inputs(convert: Path, qat: Path, vocab: Path, answers: Path) -> dict[s
                 raise HycoError(f"{folder / 'manifest.json'}: built with tokenizer {tok}, not the keep set's "
                                 f"({e})") from None
     keep_ids = np.asarray(keep.token_ids, dtype=np.int64)
-    tree_meta, step_meta = c_specs["tree.onnx"].meta, q_specs[MTP_GRAPH].meta
+    tree_meta = c_specs["tree.onnx"].meta
     if int(tree_meta.get("keep_size", -1)) != len(keep_ids):
         raise HycoError(f"{convert / 'io_spec.json'}: tree.onnx restricts to {tree_meta.get('keep_size')} tokens, but "
                         f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
-    if int(step_meta.get("keep_size", -1)) != len(keep_ids):
-        raise HycoError(f"{qat / 'io_spec.json'}: {MTP_GRAPH} drafts over {step_meta.get('keep_size')} tokens, but "
-                        f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
-    from hyco.embed_lut import EMBED_LUT, EmbedLut
+    lut = None
+    if qat is not None:
+        step_meta = q_specs[MTP_GRAPH].meta
+        if int(step_meta.get("keep_size", -1)) != len(keep_ids):
+            raise HycoError(f"{qat / 'io_spec.json'}: {MTP_GRAPH} drafts over {step_meta.get('keep_size')} tokens, but "
+                            f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
+        from hyco.embed_lut import EMBED_LUT, EmbedLut
 
-    lut = EmbedLut.load(_need(qat / EMBED_LUT, "qat embed_lut"))
-    if not np.array_equal(np.asarray(lut.keep_to_vocab, dtype=np.int64), keep_ids):
-        raise HycoError(f"{qat / EMBED_LUT}: tensor 'keep_to_vocab' is not the keep set of {vocab / 'keep_set.json'}")
+        lut = EmbedLut.load(_need(qat / EMBED_LUT, "qat embed_lut"))
+        if not np.array_equal(np.asarray(lut.keep_to_vocab, dtype=np.int64), keep_ids):
+            raise HycoError(f"{qat / EMBED_LUT}: tensor 'keep_to_vocab' is not the keep set of {vocab / 'keep_set.json'}")
     from hyco.host import EmbeddingLut
 
     embed = EmbeddingLut.open(_need(convert / "luts" / "embed_tokens.safetensors", "convert LUT"))
@@ -567,11 +574,12 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
 # --- the stage ---------------------------------------------------------------------------------
 
 
-def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path, config: CalibrateConfig,
+def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, out: Path, config: CalibrateConfig,
               allow_parity_failure: bool = False) -> dict[str, Any]:
     """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
-    temp folder, so nothing moves into place) unless `allow_parity_failure`."""
+    temp folder, so nothing moves into place) unless `allow_parity_failure`. `qat` None: the SLM's
+    two graphs only (no MTP Drafter on the phone)."""
     from hyco.calibrate import evaluate
 
     from hyco.answers import answer_stats
@@ -581,10 +589,11 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
     start = time.perf_counter()
     phase = Phases("calibrate")
     return_large_blocks()  # sessions, passes and graphs come and go: freed GBs leave RSS
-    convert, qat, vocab, out = Path(convert), Path(qat), Path(vocab), Path(out)
+    convert, vocab, out = Path(convert), Path(vocab), Path(out)
+    qat = None if qat is None else Path(qat)
     inputs = check_inputs(convert, qat, vocab, answers)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"convert": str(convert), "qat": str(qat), "vocab": str(vocab), "answers": str(answers),
+    report: dict[str, Any] = {"convert": str(convert), "qat": str(qat) if qat else None, "vocab": str(vocab), "answers": str(answers),
                               "config": to_dict(config),
                               "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
     report["data"] = answer_stats(inputs["answers"])
@@ -613,24 +622,25 @@ def calibrate(*, convert: Path, qat: Path, vocab: Path, answers: Path, out: Path
         allow_parity_failure)
 
 
-def quantize_and_measure(convert: Path, qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
-                         phase: Phases) -> dict[str, Any]:
-    """The three graphs quantized and made deployable (bit-exact proof, encodings), their
-    fidelity on the eval answers, the HTP bounds and checks, and the fidelity over the
-    calibration samples."""
+def quantize_and_measure(convert: Path, qat: Path | None, inputs: dict, config: CalibrateConfig, tmp: Path,
+                         out: Path, phase: Phases) -> dict[str, Any]:
+    """The three graphs (two without `qat`) quantized and made deployable (bit-exact proof,
+    encodings), their fidelity on the eval answers, the HTP bounds and checks, and the fidelity
+    over the calibration samples."""
     from hyco.calibrate import evaluate
 
     weight_bits = convert_weight_bits(convert)
     slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits)
-    with phase("mtp: record, prepare, quantize"):
-        mtp = calibrate_mtp(qat, inputs, config, tmp, out)
-    with phase("mtp: deployable graph, bit-exact proof, encodings"):
-        deployed = {**slm.pop("deployed"), "mtp": deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
-                                                             inputs["qat_specs"][MTP_GRAPH],
-                                                             mtp["mask"]["mask_negative"], weight_bits)}
+    deployed, mtp = slm.pop("deployed"), None
+    if qat is not None:
+        with phase("mtp: record, prepare, quantize"):
+            mtp = calibrate_mtp(qat, inputs, config, tmp, out)
+        with phase("mtp: deployable graph, bit-exact proof, encodings"):
+            deployed["mtp"] = deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
+                                         inputs["qat_specs"][MTP_GRAPH], mtp["mask"]["mask_negative"], weight_bits)
     specs = {g: d["spec"] for g, d in deployed.items()}
     fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
-                                mtp["mask"]["mask_negative"], tmp, phase)
+                                mtp and mtp["mask"]["mask_negative"], tmp, phase)
     with phase("fidelity floor"):
         floor = fidelity_floor(convert, out, tmp, fidelity, config)
     with phase("HTP op by op (simulator)"):
@@ -654,7 +664,7 @@ def quantize_and_measure(convert: Path, qat: Path, inputs: dict, config: Calibra
             spread = fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, fidelity["graphs"])
     else:
         spread = {g: {"seeds": [config.seed], "top1_agreement": [fidelity["graphs"][g]["top1_agreement"]]}
-                  for g in ("tree", "prefill", "mtp")}
+                  for g in specs}
     return {"slm": slm, "mtp": mtp, "specs": specs, "bitexact": {g: d["bitexact"] for g, d in deployed.items()},
             "traps": {g: d["traps"] for g, d in deployed.items()},
             "encodings": {OUT_NAMES[g]: d["encodings"] for g, d in deployed.items()}, "fidelity": fidelity,
@@ -664,7 +674,7 @@ def quantize_and_measure(convert: Path, qat: Path, inputs: dict, config: Calibra
 def graph_rows(built: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per deployed graph: fidelity, HTP acceptance, mask margin, bit-exactness, bound, spread."""
     rows = {}
-    for g in ("tree", "prefill", "mtp"):
+    for g in built["specs"]:
         f = built["fidelity"]["graphs"][g]
         h = built["htp"].get(g, {})
         mask = built["slm"]["mask"] if g != "mtp" else built["mtp"]["mask"]
@@ -741,7 +751,7 @@ def floor_failure(g: str, f: dict[str, Any]) -> str:
     return f"{g}: below the fidelity floor: {' and '.join(said)} ({where})"
 
 
-def fidelity_spread(convert: Path, qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path,
+def fidelity_spread(convert: Path, qat: Path | None, inputs: dict, config: CalibrateConfig, tmp: Path,
                     weight_bits: dict[str, int], first: dict[str, dict]) -> dict[str, dict]:
     """Top-1 agreement and KL of every graph quantized from `config.fidelity_seeds` calibration
     samples (the seed draws the calibration trees, their accepted lengths, the MTP bursts and the
@@ -752,16 +762,16 @@ def fidelity_spread(convert: Path, qat: Path, inputs: dict, config: CalibrateCon
     from hyco.calibrate import evaluate
 
     out = {g: {"seeds": [config.seed], "top1_agreement": [first[g]["top1_agreement"]], "kl": [first[g]["kl"]]}
-           for g in ("tree", "prefill", "mtp")}
+           for g in first}
     for k in range(1, config.fidelity_seeds):
         seeded = dataclasses.replace(config, seed=config.seed + k)
         folder = tmp / f"seed-{seeded.seed}"
         folder.mkdir()
         slm = calibrate_slm(convert, inputs, seeded, folder, folder, Phases("calibrate"), weight_bits)
-        mtp = calibrate_mtp(qat, inputs, seeded, folder, folder)
+        mtp = calibrate_mtp(qat, inputs, seeded, folder, folder) if qat is not None else None
         # evaluated as the stage's own graphs are: `config`'s seed drives the same eval passes
         fid = evaluate.run_all(convert, qat, folder, inputs, config, slm["mask"]["mask_negative"],
-                               mtp["mask"]["mask_negative"], folder)
+                               mtp and mtp["mask"]["mask_negative"], folder)
         for g, row in out.items():
             row["seeds"].append(seeded.seed)
             row["top1_agreement"].append(fid["graphs"][g]["top1_agreement"])
@@ -778,7 +788,7 @@ def htp_op_checks(out: Path, specs: dict, htp_feeds: dict[str, list[dict]], pass
     if htp.qnn_available():
         return {}
     results = {}
-    for g in ("tree", "prefill", "mtp"):
+    for g in specs:
         feeds = [evaluate.to_codes(f, specs[g]) for f in htp_feeds[g][:passes]]
         ops = htp.check_in_subprocess(out / OUT_NAMES[g], feeds, per_op=True).get("ops") if feeds else None
         if ops:
@@ -798,7 +808,7 @@ def htp_bounds(out: Path, specs: dict, htp_feeds: dict[str, list[dict]], config:
     from hyco.calibrate.htp import KEPT_BITS, OTHER_KEPT_BITS
 
     out_bounds = {}
-    for g in ("tree", "prefill", "mtp"):
+    for g in specs:
         passes = htp_feeds[g]
         pick = sorted(set(range(min(max(config.simulator_passes, 1), len(passes))))
                       | set(np.linspace(0, len(passes) - 1, min(5, len(passes))).astype(int).tolist()))
@@ -822,7 +832,7 @@ def htp_checks(out: Path, specs: dict, htp_feeds: dict[str, list[dict]], passes:
 
     reason = htp.qnn_available()
     results = {}
-    for g in ("tree", "prefill", "mtp"):
+    for g in specs:
         if reason:
             results[g] = {"accepted": None, "skipped": reason, "cpu_nodes": None}
             continue
@@ -960,14 +970,15 @@ def section(recipe: Recipe) -> dict[str, Any]:
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     run_dir = Path(run_dir)
-    stages = ("convert", "qat", "vocab", "answers")
+    stages = ("convert", "vocab", "answers")
     for stage in stages:
         if stage not in recipe.stages:
             raise HycoError(f"the calibrate stage needs the {stage} stage in the recipe's stages, but got "
                             f"{list(recipe.stages)}")
-    return {stage: run_dir / stage for stage in stages}
+    # without qat (a recipe with no MTP Drafter on the phone: the token bridge's) the SLM graphs only
+    return {stage: run_dir / stage for stage in (*stages, "qat") if stage in recipe.stages}
 
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
-    return calibrate(**paths, out=out, config=recipe.calibrate, allow_parity_failure=recipe.allow_parity_failure)
+    return calibrate(**{"qat": None, **paths}, out=out, config=recipe.calibrate, allow_parity_failure=recipe.allow_parity_failure)

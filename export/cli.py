@@ -12,7 +12,7 @@ from hyco.cli import stage_command
 from hyco.recipe import ExportConfig, to_dict
 
 _DEFAULT = ExportConfig()
-BUNDLE_ONLY = ("convert", "qat", "vocab", "tokenizer", "verifier")  # --hub uploads calibrate's graphs only
+BUNDLE_ONLY = ("convert", "qat", "vocab", "tokenizer", "verifier", "verifier_tokenizer")  # --hub uploads calibrate's graphs only
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +24,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                   "vocab": "vocab stage output (keep set, reserved prompts); not with --hub",
                   "tokenizer": "tokenizer folder to ship in the bundle",
                   "verifier": "reference verifier checkpoint: the stage ends with a smoke run when given "
-                  "(bundle.json records its name and config hash, not its path)"},
+                  "(bundle.json records its name and config hash, not its path)",
+                  "verifier_tokenizer": "the verifier's own tokenizer, for a verifier of another family: the smoke "
+                  "run drafts for it through the token bridge"},
         help="QNN HTP context binaries for SM8850 (soc_model 87) and a self-describing bundle",
         description="Compile calibrate's tree, prefill and mtp_step QDQ graphs offline (onnxruntime-qnn, prepare "
         "only) into QNN context binaries for --soc-model, and write OUT/bundle/ (binaries, EPContext wrappers, CPU "
@@ -42,6 +44,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     s.add_argument("bundle", help="an export output's bundle/ folder")
     s.add_argument("--verifier", required=True, help="reference verifier checkpoint (the server's; checked against "
                    "the name and config hash bundle.json records)")
+    s.add_argument("--verifier-tokenizer", help="the verifier's own tokenizer, for a verifier of another family "
+                   "(drafted for through the token bridge)")
     s.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts from the bundle's prompts.jsonl")
     s.add_argument("--rounds", type=int, default=3, metavar="R", help="drafting rounds per prompt")
     s.add_argument("--tolerance", type=float, default=_DEFAULT.logprob_tolerance,
@@ -75,14 +79,16 @@ def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> 
         print(f"wrote {out}/hub.json: {len(result['jobs'])} qai-hub jobs on {export.device!r}")
         return 0
     allow = args.allow_parity_failure
-    missing = [f"--{k}" for k in ("convert", "qat", "vocab") if k not in paths]
+    missing = [f"--{k}" for k in ("convert", "vocab") if k not in paths]
     if missing:
         raise HycoError(f"export needs {', '.join(missing)} (the bundle ships their LUTs, rope spec, encodings and "
                         "keep set); only `export --hub` runs on --calibrate alone")
-    stages = {k: paths[k] for k in ("calibrate", "convert", "qat", "vocab")}
+    stages = {k: paths.get(k) for k in ("calibrate", "convert", "qat", "vocab")}  # no --qat: no MTP Drafter
     manifest = run_stage("export", out, {"export": to_dict(export)}, paths,
                          lambda tmp: build(**stages, out=tmp, config=export, tokenizer=paths.get("tokenizer"),
-                                           verifier=paths.get("verifier"), allow_parity_failure=allow, final=out),
+                                           verifier=paths.get("verifier"),
+                                           verifier_tokenizer=paths.get("verifier_tokenizer"),
+                                           allow_parity_failure=allow, final=out),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     sizes = ", ".join(f"{k} {v:,} B" for k, v in s["binaries"].items())
@@ -100,6 +106,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle)
     out = Path(args.out) if args.out else bundle.parent / "smoke"
     report = smoke(bundle=bundle, verifier=Path(args.verifier), prompts=args.prompts,
+                   verifier_tokenizer=Path(args.verifier_tokenizer) if args.verifier_tokenizer else None,
                    rounds=args.rounds, tolerance=args.tolerance, isolate=not args.no_isolate, out=out,
                    soc_model=args.soc_model)
     print(report["headline"])

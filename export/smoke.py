@@ -123,12 +123,43 @@ def run_rounds(prompt: list[int], verifier, drafter, rounds: int, marks: list[in
     return committed
 
 
+def run_bridged_rounds(prompt: list[int], slm_prompt: list[int], verifier, drafter, bridge, rounds: int,
+                       eos_ids: set[int], marks: list[int] | None = None, log: PassLog | None = None) -> list[list[int]]:
+    """`run_rounds` through the token bridge (a verifier of another family; SLM-only trees): the
+    verifier tokens each round commits."""
+    import torch
+
+    from hyco.runtime.decode import decode_bridged
+
+    calls = []
+
+    def mark():  # round 0's mark is taken before the prefill
+        if log is not None and calls:
+            marks.append(len(log.rows))
+        calls.append(1)
+
+    if log is not None:
+        marks.append(len(log.rows))
+    decoded = decode_bridged(prompt, slm_prompt, verifier, drafter, bridge, epsilon=1.0, max_new_tokens=1 << 30,
+                             eos_ids=eos_ids, generator=torch.Generator().manual_seed(0), max_rounds=rounds,
+                             on_round=mark)
+    committed, at = [], 1  # the first token is the prefill's
+    for r in decoded.rounds:
+        committed.append(decoded.tokens[at:at + r.committed])
+        at += r.committed
+    return committed
+
+
 def compare_commits(htp: list[list[int]], cpu: list[list[int]], tie_swaps: list[int]) -> list[dict[str, Any]]:
     """Per round of one prompt: both runs' commits, whether they are equal, whether the committed
     streams so far agree over their common length (`stream_agrees`), and whether a difference is
     explained by a tie swap in that round's passes (`explained`). A round is `ok` when the
     streams agree and its commits are equal or explained."""
     rows, stream_h, stream_c = [], [], []
+    if len(htp) != len(cpu):  # one run ended its text (EOS) in another round than the other
+        rows.append({"htp_committed": htp, "cpu_committed": cpu, "same_commit": False, "stream_agrees": False,
+                     "tie_swaps": 0, "explained": False, "ok": False})
+        return rows
     for r, (h, c) in enumerate(zip(htp, cpu, strict=True)):
         stream_h += h
         stream_c += c
@@ -205,21 +236,25 @@ def check_verifier(bundle: Path, recorded: dict | None, verifier: Path) -> None:
 
 def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance: float | None = None,
           isolate: bool = True, out: Path | None = None, named_as: Path | None = None,
-          soc_model: int | None = None) -> dict[str, Any]:
+          soc_model: int | None = None, verifier_tokenizer: Path | None = None) -> dict[str, Any]:
     """`tolerance` None: each graph is held to its own bound from the bundle's io_spec
     (`graph_bounds`); a number: that bound for every graph. `named_as`: the bundle's folder as the
     reports name it (export builds the bundle in a temp folder). `soc_model`: the SoC the smoke
-    run is for; a bundle built for another is refused."""
+    run is for; a bundle built for another is refused. A bundle without an MTP step graph drafts
+    SLM-only trees (SpecEdge-style, exact); `verifier_tokenizer`: a verifier of another family,
+    drafted for through the token bridge (hyco/runtime/bridge.py)."""
     from hyco.runtime.configs import decode_config
     from hyco.runtime.qnn_backend import BundleSessions
 
     bundle, verifier = Path(bundle), Path(verifier)
     start = time.perf_counter()
-    opened = open_bundle(bundle, verifier, soc_model, prompts)
-    cfg = decode_config("hyco-exact", opened["check"])
+    opened = open_bundle(bundle, verifier, soc_model, prompts, verifier_tokenizer)
+    cfg = decode_config("hyco-exact" if opened["has_mtp"] else "specedge", opened["check"])
     candidates = opened["candidates"]
     selection = choose_prompts(opened["reference_verifier"], candidates, prompts, rounds * (cfg.mtp_depth + 1))
-    prompt_ids = [candidates[row["candidate"]] for row in selection if row["chosen"]]
+    chosen = [row["candidate"] for row in selection if row["chosen"]]
+    prompt_ids = [candidates[i] for i in chosen]
+    opened["slm_prompts"] = [opened["slm_candidates"][i] for i in chosen]
     specs = opened["specs"]
     htp, cpu = BundleSessions(bundle, backend="qnn", isolate=isolate), BundleSessions(bundle, backend="cpu", isolate=False)
     graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
@@ -251,6 +286,7 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
                 f"committed text (the verifier's sampled text, position-keyed) more than {MAX_TOP_SHARE:.0%} one "
                 f"token on {looping} of {len(text)} prompts, chosen from {len(selection)} by their reference text")
     report = {"passed": passed, "headline": headline, "bundle": str(named_as or bundle), "verifier": str(verifier),
+              "drafting": cfg.name + (" through the token bridge" if opened["bridge"] else ""),
               "soc_model": opened["meta"]["soc_model"], "tolerance": tolerance, "bounds": graph_bound,
               "isolate": isolate,
               "isolation_note": "each HTP context in its own worker process (results were seen to leak between "
@@ -266,9 +302,12 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
     return report
 
 
-def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: int) -> dict[str, Any]:
+def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: int,
+                verifier_tokenizer: Path | None = None) -> dict[str, Any]:
     """The verified bundle (refused: another SoC, a shared context, another verifier, no prompts),
-    its tokenizer, keep set, io_spec and candidate prompts, and the reference verifier."""
+    its tokenizer, keep set, io_spec and candidate prompts (the verifier's, and the SLM's: the
+    same unless `verifier_tokenizer`, then with the token bridge between them), and the reference
+    verifier."""
     import torch
     from transformers import AutoTokenizer
 
@@ -276,8 +315,9 @@ def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: in
     from hyco.io_spec import read_io_spec
     from hyco.keepset import load_keep_set
     from hyco.recipe import CheckConfig, DatasetConfig
-    from hyco.runtime.inputs import load_model, load_prompts
+    from hyco.runtime.inputs import load_model, load_prompt_texts
     from hyco.runtime.verifier import ReferenceVerifier, Sampling
+    from hyco.workloads import chat_ids
 
     meta = verify_bundle(bundle, soc_model)
     shared = sorted(r for r, g in meta["graphs"].items() if g.get("shared_context"))
@@ -290,18 +330,36 @@ def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: in
     tok = AutoTokenizer.from_pretrained(bundle / "tokenizer")
     keep_ids = torch.from_numpy(load_keep_set(bundle, tok).token_ids.astype(np.int64))
     specs = read_io_spec(bundle / "io_spec.json")
-    candidates = load_prompts(tok, vocab_dir=bundle, dataset=DatasetConfig(), count=prompts, all_available=True)
+    texts = load_prompt_texts(vocab_dir=bundle, dataset=DatasetConfig(), count=prompts, all_available=True)
+    slm_candidates = [chat_ids(tok, [{"role": "user", "content": t}]) for t in texts]
     model = load_model(verifier, "verifier")
+    bridge, candidates, eos = None, slm_candidates, set()
+    if verifier_tokenizer is not None:
+        from hyco.answers import eos_ids_of
+        from hyco.runtime.bridge import TokenBridge, end_of_turn_ids
+
+        verifier_tok = AutoTokenizer.from_pretrained(verifier_tokenizer)
+        eos = set(eos_ids_of(model))
+        if not eos:
+            raise HycoError(f"{verifier}/generation_config.json: no eos_token_id (the verifier's end of turn)")
+        bridge = TokenBridge(tok, verifier_tok, slm_eos=end_of_turn_ids(tok), verifier_eos=eos_ids_of(model)[0])
+        candidates = [chat_ids(verifier_tok, [{"role": "user", "content": t}]) for t in texts]
     check = CheckConfig()  # the paper's sampling (T 1, top-k 64, top-p 0.95) and tree
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
-    mtp_meta = specs["mtp_step.qdq.onnx"].meta
+    has_mtp = "mtp_step.qdq.onnx" in specs
+    if bridge is not None and has_mtp:
+        raise HycoError(f"{bundle / 'io_spec.json'}: the bundle ships an MTP Drafter, which drafts in the SLM's "
+                        "vocabulary for a head of its own family; the token bridge drafts SLM-only trees")
+    mtp_meta = specs["mtp_step.qdq.onnx"].meta if has_mtp else {}
 
     def reference_verifier():
         return ReferenceVerifier(model, sampling, capture_point=mtp_meta.get("capture_point", "after_norm"),
-                                 window=int(mtp_meta["window"]), keyed_seed=SMOKE_SEED)
+                                 window=int(mtp_meta["window"]) if has_mtp else None, keyed_seed=SMOKE_SEED,
+                                 hand_off=has_mtp)
 
-    return {"meta": meta, "keep_ids": keep_ids, "specs": specs, "candidates": candidates, "check": check,
-            "reference_verifier": reference_verifier}
+    return {"meta": meta, "keep_ids": keep_ids, "specs": specs, "candidates": candidates,
+            "slm_candidates": slm_candidates, "check": check, "reference_verifier": reference_verifier,
+            "has_mtp": has_mtp, "bridge": bridge, "eos": eos}
 
 
 def run_prompts(prompt_ids: list[list[int]], rounds: int, bundle: Path, opened: dict[str, Any], cfg, htp, cpu,
@@ -311,27 +369,34 @@ def run_prompts(prompt_ids: list[list[int]], rounds: int, bundle: Path, opened: 
     from hyco.runtime.drafters import TreeDrafter
     from hyco.runtime.qnn_backend import mtp_qnn, slm_qnn
 
-    specs, keep_ids = opened["specs"], opened["keep_ids"]
-    tree_meta, mtp_meta = specs["tree.qdq.onnx"].meta, specs["mtp_step.qdq.onnx"].meta
+    specs, keep_ids, bridge = opened["specs"], opened["keep_ids"], opened["bridge"]
+    tree_meta = specs["tree.qdq.onnx"].meta
+    mtp_meta = specs["mtp_step.qdq.onnx"].meta if opened["has_mtp"] else None
     ring_full = max(r["slots"] for r in tree_meta["rings"])
     results = []
     for i, prompt in enumerate(prompt_ids):
         runs = {}
         for name, sessions in (("htp", ComparingSessions(htp, cpu, log, noisy)), ("cpu", cpu)):
             verifier_run = opened["reference_verifier"]()
-            mtp = mtp_qnn(bundle, keep_ids=keep_ids, window=int(mtp_meta["window"]),
-                          capture_point=mtp_meta.get("capture_point", "after_norm"), quantize_wire=True,
-                          sessions=sessions)
+            mtp = None if mtp_meta is None else mtp_qnn(
+                bundle, keep_ids=keep_ids, window=int(mtp_meta["window"]),
+                capture_point=mtp_meta.get("capture_point", "after_norm"), quantize_wire=True, sessions=sessions)
             slm = slm_qnn(bundle, keep_ids=keep_ids, max_prompt=int(tree_meta["max_prompt"]), ring_full=ring_full,
                           sessions=sessions)
             marks: list[int] = []
-            runs[name] = run_rounds(prompt, verifier_run, TreeDrafter(cfg, mtp, slm), rounds, marks,
-                                    log if name == "htp" else None)
+            recorded = log if name == "htp" else None
+            if bridge is None:
+                runs[name] = run_rounds(prompt, verifier_run, TreeDrafter(cfg, mtp, slm), rounds, marks, recorded)
+            else:
+                runs[name] = run_bridged_rounds(prompt, opened["slm_prompts"][i], verifier_run,
+                                                TreeDrafter(cfg, None, slm), bridge, rounds, opened["eos"], marks,
+                                                recorded)
             if name == "htp":
                 bounds = marks + [len(log.rows)]
-        per_round = [log.rows[bounds[r]:bounds[r + 1]] for r in range(rounds)]
+        per_round = [log.rows[bounds[r]:bounds[r + 1]] for r in range(len(bounds) - 1)]
+        # rounds of unequal count (one run ended its text earlier): one failed row (`compare_commits`)
         commits = compare_commits(runs["htp"], runs["cpu"], [sum(p["tie_swaps"] for p in ps) for ps in per_round])
-        for r, (passes, commit) in enumerate(zip(per_round, commits, strict=True)):
+        for r, (passes, commit) in enumerate(zip(per_round, commits, strict=False)):
             results.append({"prompt": i, "round": r, "passes": len(passes),
                             "passes_agree": all(log.ok(p) for p in passes), **commit})
     return results

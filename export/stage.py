@@ -52,27 +52,40 @@ def _copy_graph(src: Path, dst_dir: Path) -> None:
         _copy(src.parent / loc, dst_dir / loc, f"external data of {src.name}")
 
 
-def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path, vocab: Path, tokenizer: Path | None,
-                  reference_graphs: bool) -> dict[str, GraphSpec]:
-    """Copy the non-graph pieces into the bundle; return calibrate's graph specs."""
+def bundle_graphs(qat: Path | None) -> dict[str, str]:
+    """The roles the bundle ships: the SLM's two graphs, and the MTP step graph when the recipe
+    has an MTP Drafter (qat)."""
+    return {role: name for role, name in GRAPHS.items() if role != "mtp_step" or qat is not None}
+
+
+def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path | None, vocab: Path,
+                  tokenizer: Path | None, reference_graphs: bool) -> dict[str, GraphSpec]:
+    """Copy the non-graph pieces into the bundle; return calibrate's graph specs (`qat` None:
+    the SLM's graphs only)."""
     specs = read_io_spec(calibrate / "io_spec.json")
-    for role, name in GRAPHS.items():
+    roles = bundle_graphs(qat)
+    for role, name in roles.items():
         if name not in specs or not (calibrate / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
-    for name in GRAPHS.values():  # every path in the bundle is inside it (it moves as one folder)
+    if qat is None and GRAPHS["mtp_step"] in specs:
+        raise HycoError(f"{calibrate / 'io_spec.json'}: calibrate made an MTP step graph, but export got no qat "
+                        "folder (its embedding LUT and encodings ship with it)")
+    specs = {name: specs[name] for name in roles.values()}
+    for name in roles.values():  # every path in the bundle is inside it (it moves as one folder)
         if specs[name].meta.get("keep_set"):
             specs[name].meta["keep_set"] = "keep_set.json"
-    write_io_spec(bundle / "io_spec.json", [specs[name] for name in GRAPHS.values()])
+    write_io_spec(bundle / "io_spec.json", list(specs.values()))
     for name in ("encodings.json",):
         _copy(calibrate / name, bundle / "encodings" / f"calibrate.{name}", "calibrate encodings")
     _copy(convert / "encodings.json", bundle / "encodings" / "convert.encodings.json", "convert encodings")
-    _copy(qat / "encodings.json", bundle / "encodings" / "qat.encodings.json", "qat encodings")
+    if qat is not None:
+        _copy(qat / "encodings.json", bundle / "encodings" / "qat.encodings.json", "qat encodings")
+        _copy(qat / "embed_lut.safetensors", bundle / "embed_lut.safetensors", "MTP embedding LUT")
     _copy(convert / "rope.json", bundle / "rope.json", "rope spec")
     for lut in sorted((convert / "luts").glob("*.safetensors")):
         _copy(lut, bundle / "luts" / lut.name, "CPU LUT")
     if not (bundle / "luts" / "embed_tokens.safetensors").is_file():
         raise HycoError(f"{convert / 'luts' / 'embed_tokens.safetensors'}: CPU LUT not found")
-    _copy(qat / "embed_lut.safetensors", bundle / "embed_lut.safetensors", "MTP embedding LUT")
     for name in ("keep_set.json", "keep_to_vocab.npy", "vocab_to_keep.npy"):
         _copy(vocab / name, bundle / name, "keep set")
     if (vocab / "prompts.jsonl").is_file():  # the reserved evaluation prompts, for the smoke test
@@ -84,7 +97,7 @@ def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path, vo
         for n in found:
             _copy(tokenizer / n, bundle / "tokenizer" / n, "tokenizer file")
     if reference_graphs:
-        for name in GRAPHS.values():
+        for name in roles.values():
             _copy_graph(calibrate / name, bundle / "reference")
     return specs
 
@@ -112,6 +125,8 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
                                                optimization_level=config.htp_optimization_level)
         shared = dict(zip(roles, compiled, strict=True))
     for role, name in GRAPHS.items():
+        if name not in specs:  # no MTP Drafter (a recipe without qat)
+            continue
         source = calibrate / name
         weights = weight_bytes(source)
         parts = split_graph(source, bundle / ".split" / role, config.max_context_bytes, specs[name]) \
@@ -184,8 +199,8 @@ def verifier_identity(verifier: Path) -> dict[str, str]:
     return {"name": verifier.resolve().name, "config_sha256": sha256_file(config)}
 
 
-def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path, config: ExportConfig,
-           tokenizer: Path | None = None, verifier: Path | None = None,
+def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out: Path, config: ExportConfig,
+           tokenizer: Path | None = None, verifier: Path | None = None, verifier_tokenizer: Path | None = None,
            allow_parity_failure: bool = False, final: Path | None = None) -> dict[str, Any]:
     """Write OUT/bundle/ (binaries + everything the runtime reads + bundle.json), report.json and
     summary.md; then, with `config.smoke_prompts` and a `verifier`, smoke-test the bundle on the
@@ -193,7 +208,9 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     are written (into run_stage's temp folder, so nothing moves into place), unless
     `allow_parity_failure`: then the summary carries `proof_failed` and the manifest is marked.
     `final`: where `out` will be once the stage is done (it is built in a temp folder), the
-    folder the reports name. Returns a short summary for the manifest."""
+    folder the reports name. Returns a short summary for the manifest. `qat` None: the SLM's
+    graphs only (no MTP Drafter on the phone); `verifier_tokenizer`: a verifier of another family,
+    which the smoke run drafts for through the token bridge."""
     from hyco.bundle import footprint_markdown
 
     start = time.perf_counter()
@@ -205,7 +222,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
     bundle.mkdir(parents=True, exist_ok=True)
     phase = Phases("export")
     meta = write_bundle(bundle, config, chip, arch, settled, phase, calibrate=Path(calibrate), convert=Path(convert),
-                        qat=Path(qat), vocab=Path(vocab), tokenizer=Path(tokenizer) if tokenizer else None,
+                        qat=Path(qat) if qat else None, vocab=Path(vocab), tokenizer=Path(tokenizer) if tokenizer else None,
                         verifier=Path(verifier) if verifier else None)
     graphs = meta["graphs"]
     smoke = None
@@ -214,6 +231,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path, vocab: Path, out: Path,
 
         with phase("smoke"):
             smoke = run_smoke(bundle=bundle, verifier=Path(verifier), prompts=config.smoke_prompts,
+                              verifier_tokenizer=Path(verifier_tokenizer) if verifier_tokenizer else None,
                               rounds=config.smoke_rounds, tolerance=config.logprob_tolerance, isolate=config.isolate,
                               out=out / "smoke", named_as=Path(final or out) / "bundle", soc_model=config.soc_model)
     failed = None
@@ -276,7 +294,7 @@ def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:
 
 
 def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settled: dict[str, Any], phase: Phases, *,
-                 calibrate: Path, convert: Path, qat: Path, vocab: Path, tokenizer: Path | None,
+                 calibrate: Path, convert: Path, qat: Path | None, vocab: Path, tokenizer: Path | None,
                  verifier: Path | None) -> dict[str, Any]:
     """The bundle's inputs gathered, its graphs compiled, and bundle.json (binaries, footprint,
     SoC, reference verifier) written. Returns bundle.json's content."""
@@ -310,11 +328,13 @@ def section(recipe: Recipe) -> dict[str, Any]:
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
-    for stage in ("vocab", "convert", "qat", "calibrate"):
+    for stage in ("vocab", "convert", "calibrate"):
         if stage not in recipe.stages:
             raise HycoError(f"the export stage needs the {stage} stage's outputs; add {stage} to the recipe's stages")
-    paths = {stage: stage_dir(run_dir, stage) for stage in ("calibrate", "convert", "qat", "vocab")}
-    for name in ("tokenizer", "verifier"):
+    # without qat (no MTP Drafter on the phone: the token bridge's recipes) the SLM's graphs only
+    paths = {stage: stage_dir(run_dir, stage) for stage in ("calibrate", "convert", "qat", "vocab")
+             if stage in recipe.stages}
+    for name in ("tokenizer", "verifier", "verifier_tokenizer"):
         path = recipe.path(getattr(recipe.models, name), run_dir)
         if path is not None:
             paths[name] = path
@@ -323,6 +343,7 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
-    return export(calibrate=paths["calibrate"], convert=paths["convert"], qat=paths["qat"], vocab=paths["vocab"],
-                  tokenizer=paths.get("tokenizer"), verifier=paths.get("verifier"), out=out, config=recipe.export,
+    return export(calibrate=paths["calibrate"], convert=paths["convert"], qat=paths.get("qat"), vocab=paths["vocab"],
+                  tokenizer=paths.get("tokenizer"), verifier=paths.get("verifier"),
+                  verifier_tokenizer=paths.get("verifier_tokenizer"), out=out, config=recipe.export,
                   allow_parity_failure=recipe.allow_parity_failure, final=stage_dir(run_dir, "export"))

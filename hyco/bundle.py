@@ -20,9 +20,11 @@ from hyco.io_spec import GraphSpec, read_io_spec
 
 BUNDLE_JSON = "bundle.json"
 BUNDLE_VERSION = 1
-# What the runtime reads besides the graphs (SLM LUTs, rotary, keep set, MTP table).
-REQUIRED = ("io_spec.json", "rope.json", "luts/embed_tokens.safetensors", "embed_lut.safetensors",
-            "keep_set.json", "keep_to_vocab.npy", "vocab_to_keep.npy")
+# What the runtime reads besides the graphs (SLM LUTs, rotary, keep set), and the MTP Drafter's
+# table where the bundle ships its step graph.
+REQUIRED = ("io_spec.json", "rope.json", "luts/embed_tokens.safetensors", "keep_set.json", "keep_to_vocab.npy",
+            "vocab_to_keep.npy")
+MTP_REQUIRED = ("embed_lut.safetensors",)
 
 
 # What the phone holds, by Table 3's rows; the target bytes are the recipe's (export.footprint_targets)
@@ -46,8 +48,9 @@ def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: P
     luts = {name: row["bytes"] for name, row in files.items() if name.startswith("luts/") or name == MTP_LUT}
     slm = sum(contexts[p["binary"]] for role in ("tree", "prefill") for p in graphs[role]["parts"]
               if not (role == "prefill" and p["binary"] in {q["binary"] for q in graphs["tree"]["parts"]}))
-    mtp = per_graph["mtp_step"]
-    ours = {"slm": slm, "mtp_graph": mtp, "mtp_lut": luts.get(MTP_LUT), "mtp_drafter": mtp + luts.get(MTP_LUT, 0)}
+    mtp = per_graph.get("mtp_step")  # None: a bundle without an MTP Drafter
+    ours = {"slm": slm, "mtp_graph": mtp, "mtp_lut": luts.get(MTP_LUT),
+            "mtp_drafter": None if mtp is None else mtp + luts.get(MTP_LUT, 0)}
     from hyco.recipe import TABLE3_E2B
 
     table3 = [{"item": FOOTPRINT_ROWS[key], "paper_bytes": int(paper), "bundle_bytes": ours[key],
@@ -174,7 +177,7 @@ def verify_bundle(bundle: Path, soc_model: int | None = None) -> dict[str, Any]:
         name = lambda m: SOCS.get(m, ("an unknown chip",))[0]
         raise HycoError(f"{bundle / BUNDLE_JSON}: built for soc_model {meta.get('soc_model')} ({name(meta.get('soc_model'))}), "
                         f"but this run targets soc_model {soc_model} ({name(soc_model)}): export it again for that SoC")
-    for name in REQUIRED:
+    for name in REQUIRED + (MTP_REQUIRED if "mtp_step" in meta.get("graphs", {}) else ()):
         if name not in meta["files"]:
             raise HycoError(f"{bundle / BUNDLE_JSON}: lists no {name} (the runtime needs it)")
     for name, row in meta["files"].items():

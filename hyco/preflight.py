@@ -62,10 +62,12 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in {path for _, _, path in tensors.values()})
 
 
-def check_model(role: str, folder: Path, family: str | None = None) -> int:
+def check_model(role: str, folder: Path, family: str | None = None, *, cross_family: bool = False) -> int:
     """`folder` laid out as the `role` needs: a registered family's model type (`family`: the
     recipe's models.family, which it must then be) and quantization method, index and shard
-    headers whole, the tensors the stages read present. Returns its weight bytes."""
+    headers whole, the tensors the stages read present. `cross_family`: a verifier of another
+    family, drafted for through the token bridge (models.verifier_tokenizer): any decoder
+    transformers loads, no family asked. Returns its weight bytes."""
     from hyco.families import family_of, head_of
     from hyco.loading import checkpoint_files, config_quant_method, read_json
 
@@ -74,8 +76,11 @@ def check_model(role: str, folder: Path, family: str | None = None) -> int:
     config = read_json(folder / "config.json", f"{role} config.json")
     want = ROLES[role]
     where = f"{folder / 'config.json'} (models.{role})"
-    found = head_of(config, where)[0] if role == "assistant" else family_of(config, where)
-    if family is not None and found.name != family:
+    if cross_family:
+        found = None
+    else:
+        found = head_of(config, where)[0] if role == "assistant" else family_of(config, where)
+    if found is not None and family is not None and found.name != family:
         raise HycoError(f"{where}: a {found.name} checkpoint, but models.family is {family!r}")
     method = config_quant_method(config)
     if want["quant_method"] == "family" and method not in found.slm_formats:
@@ -171,7 +176,8 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
         path = recipe.path(getattr(recipe.models, role), run_dir)
         used = path is not None and any(path == p for m in modules.values() for p in m.inputs(recipe, run_dir).values())
         if used and not Path(path).resolve().is_relative_to(run_dir.resolve()):
-            sizes[role] = check_model(role, Path(path), recipe.models.family)
+            bridged = role == "verifier" and recipe.models.verifier_tokenizer is not None
+            sizes[role] = check_model(role, Path(path), recipe.models.family, cross_family=bridged)
     for module in modules.values():  # tokenizers and anything else outside the run folder
         for path in module.inputs(recipe, run_dir).values():
             if not Path(path).resolve().is_relative_to(run_dir.resolve()):

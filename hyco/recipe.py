@@ -38,6 +38,10 @@ class ModelsConfig:
     slm: str | None = None  # Gemma 4 E2B, QAT mobile format (quant_method "gemma")
     verifier: str | None = None  # Gemma 4 26B-A4B (or the fixture verifier), float
     assistant: str | None = None  # the verifier's gemma4_assistant MTP head, BF16
+    # A verifier of another family (another tokenizer): its tokenizer folder. The SLM then drafts
+    # through the token bridge (hyco/runtime/bridge.py) and `tokenizer` stays the SLM's; None:
+    # the verifier shares models.tokenizer.
+    verifier_tokenizer: str | None = None
     # a registered model family (hyco/families.py) the checkpoints must be; None: each config.json's
     family: str | None = None
 
@@ -74,6 +78,10 @@ class FixturesConfig:
     # Draw the family afresh even where the package ships this draw (hyco/fixtures/shipped.py):
     # the same bytes, minutes of CPU instead of a copy.
     regenerate: bool = False
+    # Also write cross-verifier/: a tiny verifier of another family (a Llama decoder with its own
+    # byte-level BPE tokenizer, trained briefly on the same corpus) for the token bridge's recipes
+    # (hyco/fixtures/cross_family.py; shipped like the families).
+    cross_family_verifier: bool = False
 
     def __post_init__(self):
         _require(self.seed >= 0, f"fixtures.seed must be >= 0, but got {self.seed}")

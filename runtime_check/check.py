@@ -256,12 +256,12 @@ def compare_with_generate(logs: list[DecodeLog], reference: list[tuple[list[int]
             "equal": first is None, "first_divergence": first}
 
 
-def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vocab_dir: Path | None,
+def run_check(*, verifier: Path, assistant: Path | None, slm: Path, tokenizer: Path, vocab_dir: Path | None,
               dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
               max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
               bundle_dir: Path | None = None, workload: Path | None = None,
-              placement: PlacementConfig | None = None) -> dict[str, Any]:
+              placement: PlacementConfig | None = None, verifier_tokenizer: Path | None = None) -> dict[str, Any]:
     """`workload`: the file of a spec-bench or infinitebench-sum workload (`config.workload`).
     `placement`: the verifier's and the server head's dtype and devices (recipe.placement, as
     answers and qat place the verifier: BF16 on a GPU, device_map, offload); None: float32 on the CPU.
@@ -271,11 +271,15 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
 
     With `config.backend` onnxruntime both drafters run on the shipped graphs: the SLM on
     `convert_dir`'s tree.onnx / prefill.onnx, the phone's MTP chain on `qat_dir`'s mtp_step.onnx
-    (Cloud+MTP's server-side head stays float torch)."""
+    (Cloud+MTP's server-side head stays float torch).
+
+    `verifier_tokenizer`: a verifier of another family, whose tokenizer this is; the SLM then
+    drafts for it through the token bridge (`runtime_check/bridged.py`) and `tokenizer` is the
+    SLM's."""
     check_backend(config.backend)
     phone = PhoneShapes(ring_full, ring_sliding, max_prompt, mtp_window, capture_point)
     names = list(configs or config.configs)
-    decode_configs = [decode_config(n, config) for n in names]
+    decode_configs = [decode_config(n, config, bridged=verifier_tokenizer is not None) for n in names]
     if config.backend == "qnn" and (convert_dir is None or not (Path(convert_dir) / "bundle.json").is_file()):
         raise HycoError(f"check.backend 'qnn' runs both drafters on the QNN HTP from the export stage's bundle, but "
                         f"{convert_dir}/bundle.json does not exist (add export to the recipe's stages)")
@@ -297,6 +301,14 @@ def run_check(*, verifier: Path, assistant: Path, slm: Path, tokenizer: Path, vo
         # Tiny models on a shared CPU: the thread pool's spin-waits cost more than the matmuls.
         torch.set_num_threads(config.threads)
     try:
+        if verifier_tokenizer is not None:
+            from hyco.runtime_check.bridged import run_bridged_check
+
+            return run_bridged_check(verifier=verifier, verifier_tokenizer=verifier_tokenizer, assistant=assistant,
+                                     slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir, dataset=dataset, config=config,
+                                     phone=phone, out=out, decode_configs=decode_configs, prompts=prompts,
+                                     convert_dir=convert_dir, bundle_dir=bundle_dir, workload=workload,
+                                     placement=placement)
         return _run_check(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
                           dataset=dataset, config=config, phone=phone, out=out, decode_configs=decode_configs,
                           prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir,
@@ -309,7 +321,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
                bundle_dir: Path | None = None, workload: Path | None = None, placement=None):
     from hyco.answers import text_stats
-    from hyco.launch import in_order, my_positions, start_followers
+    from hyco.launch import start_followers
     from hyco.loading import load_tokenizer
 
     start_followers()
@@ -337,31 +349,22 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
         questions = read_workload(workload, config.workload.schema)[:count]
     # Each run samples with its own seed (check.runs); the chat prompts are chosen once, on the first
     # run's reference texts. A file workload's second turns follow each run's own first answers.
-    def references_of(indices: list[int], run_config: CheckConfig, desc: str) -> list:
-        """The candidates' reference texts (the verifier alone, keyed sampling), split over processes."""
-        mine = my_positions(len(indices))
-        return in_order([(j, keyed_generate(verifier_model, candidates[indices[j]], config.max_new_tokens, sampling,
-                                            keyed_seed(run_config, indices[j]), eos))
-                         for j in progress(mine, desc=desc, leave=False)], len(indices), "check (reference texts)")
-
     runs, selection = [], None
     for r in range(config.runs):
         run_config = replace(config, seed=config.seed + RUN_SEED_STEP * r)
         if config.workload.schema == "chat":
             if selection is None:
-                # every candidate's reference text: the prompts are chosen by its statistics, and
-                # exact verification must commit exactly it
-                references = references_of(list(range(len(candidates))), run_config, "reference texts")
-                selection = choose_prompts(candidates, [t for t, _ in references], count)
-                chosen = [row["candidate"] for row in selection if row["chosen"]]
-                reference = [references[i] for i in chosen]
+                selection, chosen, reference = choose_chat_prompts(verifier_model, candidates, run_config, sampling,
+                                                                   eos, count)
             else:
-                reference = references_of(chosen, run_config, f"reference texts, run {r + 1}")
+                reference = reference_texts(verifier_model, candidates, chosen, run_config, sampling, eos,
+                                            f"reference texts, run {r + 1}")
             prompt_ids = [candidates[i] for i in chosen]
             seeds = [keyed_seed(run_config, i) for i in chosen]
-            items = [{"question_id": str(i), "category": "chat", "turn": 1} for i in chosen]
+            items = chat_items(chosen)
         else:
-            prompt_ids, reference, items = workload_prompts(questions, tok, verifier_model, run_config, sampling, eos)
+            prompt_ids, reference, items, _ = workload_prompts(questions, tok, verifier_model, run_config, sampling,
+                                                               eos)
             seeds = [keyed_seed(run_config, i) for i in range(len(prompt_ids))]
             if selection is None:
                 selection = [{**item, "prompt_tokens": len(ids), **text_stats([ref])}
@@ -375,25 +378,9 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                    max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
         per_run = [decode_all(ids, cfg, run_config, phone, seeds=seeds, **run)
                    for run_config, ids, _, _, seeds in runs]
-        logs = [log for logs in per_run for log in logs]
-        mats = [summarize(logs, keep, config.chain_depth)["mat"] for logs in per_run]
-        results[cfg.name] = {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes,
-                             "mtp_depth": cfg.mtp_depth, "alone": cfg.alone, "pd_passes": cfg.pd_passes, **summarize(logs, keep, config.chain_depth),
-                             # MAT is the mean over runs (one run: its MAT), with the runs' SD
-                             "mat": float(np.mean(mats)), "mat_runs": mats,
-                             "mat_sd_runs": float(np.std(mats, ddof=1)) if len(mats) > 1 else None,
-                             "mat_ci": mat_ci(logs, pooled_items, config.bootstrap_resamples, config.seed),
-                             "by_category": by_category(logs, pooled_items, keep, config)}
-        all_logs[cfg.name] = logs
+        results[cfg.name], all_logs[cfg.name] = config_results(cfg, per_run, pooled_items, keep, config)
         if cfg.epsilon >= 1.0 and not cfg.alone:
-            # Evidence for "exact verification is lossless": with each token sampled keyed by its
-            # position, the rounds must commit exactly the verifier's own text (`keyed_generate`).
-            verdicts = [compare_with_generate(logs, reference) for logs, (_, _, reference, _, _) in zip(per_run, runs, strict=True)]
-            lossless[cfg.name] = {**verdicts[0], "equal": all(v["equal"] for v in verdicts), "runs": len(verdicts),
-                                  "prompts": sum(v["prompts"] for v in verdicts),
-                                  "tokens_compared": sum(v["tokens_compared"] for v in verdicts),
-                                  "first_divergence": next((v["first_divergence"] for v in verdicts if not v["equal"]), None),
-                                  "accepted_draft_tokens": sum(len(r.accepted_sources) for g in logs for r in g.rounds)}
+            lossless[cfg.name] = lossless_verdict(per_run, [run[2] for run in runs])
     _, prompt_ids, reference, items, _ = runs[0]
     costs = None
     if config.timing.enabled and out is not None:
@@ -424,6 +411,58 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     return write_report(Path(out), results, settings, lossless, costs) if out is not None else {}
 
 
+def reference_texts(verifier_model, candidates: list[list[int]], indices: list[int], run_config: CheckConfig,
+                    sampling: Sampling, eos: set[int], desc: str) -> list:
+    """The candidates' reference texts (the verifier alone, keyed sampling), split over processes."""
+    from hyco.launch import in_order, my_positions
+
+    mine = my_positions(len(indices))
+    return in_order([(j, keyed_generate(verifier_model, candidates[indices[j]], run_config.max_new_tokens, sampling,
+                                        keyed_seed(run_config, indices[j]), eos))
+                     for j in progress(mine, desc=desc, leave=False)], len(indices), "check (reference texts)")
+
+
+def choose_chat_prompts(verifier_model, candidates: list[list[int]], run_config: CheckConfig, sampling: Sampling,
+                        eos: set[int], count: int) -> tuple[list[dict], list[int], list]:
+    """Every candidate's reference text (the prompts are chosen by its statistics, and exact
+    verification must commit exactly it): the selection table, the chosen candidates and their
+    references."""
+    references = reference_texts(verifier_model, candidates, list(range(len(candidates))), run_config, sampling, eos,
+                                 "reference texts")
+    selection = choose_prompts(candidates, [t for t, _ in references], count)
+    chosen = [row["candidate"] for row in selection if row["chosen"]]
+    return selection, chosen, [references[i] for i in chosen]
+
+
+def chat_items(chosen: list[int]) -> list[dict]:
+    return [{"question_id": str(i), "category": "chat", "turn": 1} for i in chosen]
+
+
+def config_results(cfg: DecodeConfig, per_run: list[list[DecodeLog]], items: list[dict], keep,
+                   config: CheckConfig) -> tuple[dict, list[DecodeLog]]:
+    """One configuration's report entry from its logs per run, and the runs' logs pooled."""
+    logs = [log for logs in per_run for log in logs]
+    mats = [summarize(logs, keep, config.chain_depth)["mat"] for logs in per_run]
+    return {"label": cfg.label, "epsilon": cfg.epsilon, "slm_passes": cfg.slm_passes, "mtp_depth": cfg.mtp_depth,
+            "alone": cfg.alone, "pd_passes": cfg.pd_passes, **summarize(logs, keep, config.chain_depth),
+            # MAT is the mean over runs (one run: its MAT), with the runs' SD
+            "mat": float(np.mean(mats)), "mat_runs": mats,
+            "mat_sd_runs": float(np.std(mats, ddof=1)) if len(mats) > 1 else None,
+            "mat_ci": mat_ci(logs, items, config.bootstrap_resamples, config.seed),
+            "by_category": by_category(logs, items, keep, config)}, logs
+
+
+def lossless_verdict(per_run: list[list[DecodeLog]], references: list[list]) -> dict[str, Any]:
+    """Evidence for "exact verification is lossless": with each token sampled keyed by its
+    position, the rounds must commit exactly the verifier's own text (`keyed_generate`), run by run."""
+    verdicts = [compare_with_generate(logs, reference) for logs, reference in zip(per_run, references, strict=True)]
+    return {**verdicts[0], "equal": all(v["equal"] for v in verdicts), "runs": len(verdicts),
+            "prompts": sum(v["prompts"] for v in verdicts),
+            "tokens_compared": sum(v["tokens_compared"] for v in verdicts),
+            "first_divergence": next((v["first_divergence"] for v in verdicts if not v["equal"]), None),
+            "accepted_draft_tokens": sum(len(r.accepted_sources) for logs in per_run for g in logs for r in g.rounds)}
+
+
 def where(model) -> str:
     """The model's dtype and devices as placed (accelerate's device map: modules per device)."""
     placed = getattr(model, "hf_device_map", None)
@@ -438,8 +477,9 @@ def where(model) -> str:
 def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampling: Sampling, eos: set[int]):
     """Each question's turns as prompts, with the verifier's keyed reference text for each: a second
     turn is asked after the verifier's own answer to the first (its reference text, decoded), as in
-    MT-bench. Returns prompt ids, references (tokens, logits) and per prompt its question, category
-    and turn. Under `accelerate launch` each process answers its share of the questions (a
+    MT-bench. Returns prompt ids, references (tokens, logits), per prompt its question, category
+    and turn, and the messages it was asked with (for another tokenizer's chat template: the
+    token bridge's SLM). Under `accelerate launch` each process answers its share of the questions (a
     question's turns stay together: the second follows the first's answer); every prompt keeps its
     place, and so its sampling seed, in the whole workload's order."""
     from hyco.launch import in_order, my_positions
@@ -453,7 +493,8 @@ def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampli
             ids = chat_ids(tok, messages)
             ref = keyed_generate(verifier_model, ids, config.max_new_tokens, sampling,
                                  keyed_seed(config, int(firsts[j]) + turn - 1), eos)
-            out.append((ids, ref, {"question_id": q.question_id, "category": q.category, "turn": turn}))
+            out.append((ids, ref, {"question_id": q.question_id, "category": q.category, "turn": turn},
+                        list(messages)))
             messages.append({"role": "assistant", "content": tok.decode(ref[0], skip_special_tokens=True)})
         return out
 
@@ -461,7 +502,7 @@ def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampli
     answered = in_order([(j, answer(j)) for j in progress(mine, desc="reference texts", leave=False)],
                         len(questions), "check (reference texts)")
     turns = [t for per_question in answered for t in per_question]
-    return [t[0] for t in turns], [t[1] for t in turns], [t[2] for t in turns]
+    return [t[0] for t in turns], [t[1] for t in turns], [t[2] for t in turns], [t[3] for t in turns]
 
 
 def _per_question(logs: list[DecodeLog], items: list[dict]) -> tuple[np.ndarray, np.ndarray]:

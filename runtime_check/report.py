@@ -71,6 +71,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
           *_vacuity_warning(results, epsilon),
           *_workload_lines(settings, results),
           *_prompt_lines(settings),
+          *_bridge_lines(settings, results),
           "## Lossless (exact configurations)", "", *_lossless_lines(lossless, settings), "",
           "## The paper's figures (not comparable)", "",
           "MAT from the paper's Table 2 (SB-480, Gemma 4 26B-A4B and its real drafters), for orientation only: the "
@@ -118,6 +119,35 @@ def _lossless_lines(lossless: dict[str, dict], settings: dict[str, Any]) -> list
             lines.append(head + f"NOT identical: prompt {d['prompt']} first differs at output token {d['position']} "
                          f"(ours {d['ours']}, the verifier's {d['generate']}{margin}).")
     return lines
+
+
+BRIDGE_COLUMNS = ["config", "rounds", "slm_nodes_per_round", "verifier_nodes_per_round", "lost_per_round", "lost_share",
+                  "verifier_tokens_per_slm_token", "map_ms_per_round", "sync_ms_per_round", "host_ms_per_round",
+                  "rollback_rows_per_round", "unfinished_rounds"]
+
+
+def _bridge_lines(settings: dict[str, Any], results: dict[str, dict]) -> list[str]:
+    """The token bridge's own figures (runtime_check/bridged.py), where the check ran through it."""
+    bridge = settings.get("bridge")
+    if not bridge:
+        return []
+    rows = [{"config": n, **r["bridge"]} for n, r in results.items() if r.get("bridge")]
+    text = bridge["reference_text"]
+    return ["## Token bridge", "",
+            f"The SLM ({bridge['slm_vocab_size']:,}-token vocabulary, {settings['models']['slm_tokenizer']}) drafts for "
+            f"a verifier of another family ({bridge['verifier_vocab_size']:,} tokens, "
+            f"{settings['models']['verifier_tokenizer']}); every figure above is in the verifier's tokens. Prompts: "
+            f"mean {settings['prompt_tokens_mean']:.0f} verifier / {settings['slm_prompt_tokens_mean']:.0f} SLM tokens. "
+            f"The verifier's reference texts: {text['tokens']} tokens, {text['distinct_tokens']} distinct, the most "
+            f"frequent {100 * text['top_share']:.1f}%.", "",
+            markdown_table(rows, BRIDGE_COLUMNS),
+            "slm_nodes / verifier_nodes: draft nodes per round in the phone's tree and in the tree the server "
+            "verifies (re-tokenized paths, shared prefixes merged, trimmed to the budget); lost: SLM nodes whose "
+            "text no verifier node carries (cut at a boundary, markup, an unfinished character); "
+            "verifier_tokens_per_slm_token: over the committed text (end-of-turn aside); map_ms: the server's "
+            "mapping of the tree, sync_ms: the phone's re-tokenization of the committed text, both on this host; "
+            "rollback_rows: SLM ring rows rolled back and re-run per round (the unstable last word); "
+            "unfinished_rounds: rounds that drafted nothing because the text ended inside a character.", ""]
 
 
 def _prompt_lines(settings: dict[str, Any]) -> list[str]:

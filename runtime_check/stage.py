@@ -28,9 +28,21 @@ def section(recipe: Recipe) -> dict[str, Any]:
             "placement": to_dict(recipe.placement)}
 
 
+def bridged(recipe: Recipe) -> bool:
+    """A verifier of another family: the check drafts for it through the token bridge."""
+    return recipe.models.verifier_tokenizer is not None
+
+
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     paths = {}
-    for name in ("tokenizer", "verifier", "assistant", "slm"):
+    names = ["tokenizer", "verifier", "slm"]
+    if not bridged(recipe):
+        names.append("assistant")
+    else:  # the verifier's own head runs only in Cloud+head (cloud-mtp), where the recipe names one
+        names.append("verifier_tokenizer")
+        if any(n.partition("@")[0] == "cloud-mtp" for n in recipe.check.configs):
+            names.append("assistant")
+    for name in names:
         path = recipe.path(getattr(recipe.models, name), run_dir)
         if path is None:
             raise HycoError(f"models.{name} must name a folder for the check stage, but got null")
@@ -44,7 +56,7 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     if recipe.check.backend == "onnxruntime":
         from hyco.runtime.configs import decode_config
 
-        numerics = {decode_config(n, recipe.check).drafters for n in recipe.check.configs}
+        numerics = {decode_config(n, recipe.check, bridged=bridged(recipe)).drafters for n in recipe.check.configs}
         if "float" in numerics:
             paths["convert"] = stage_dir(run_dir, "convert")
             paths["qat"] = stage_dir(run_dir, "qat")
@@ -63,7 +75,8 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
         from hyco.bundle import verify_bundle
 
         verify_bundle(paths["convert"], recipe.export.soc_model)
-    return run_check(verifier=paths["verifier"], assistant=paths["assistant"], slm=paths["slm"],
+    return run_check(verifier=paths["verifier"], assistant=paths.get("assistant"), slm=paths["slm"],
+                     verifier_tokenizer=paths.get("verifier_tokenizer"),
                      tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
                      config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),
                      qat_dir=paths.get("qat"), bundle_dir=paths.get("bundle"), workload=paths.get("workload"),

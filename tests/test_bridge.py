@@ -243,7 +243,7 @@ def test_exact_verification_through_the_bridge_commits_the_verifiers_own_text(bp
     verifier_model = tiny_llama(len(bpe), seed=3)
     sampling = Sampling(temperature=1.0, top_k=8, top_p=1.0)
     prompt = encode(bpe, "Translate: déjà vu, 12345 and    spaces.")[0]
-    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=11, hand_off=False, window=None), prompt, 48)
+    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=11, hand_off=False, window=None), prompt, 48).tokens
     text = bpe.decode(reference[:-1]).rstrip("\ufffd")  # the oracle knows all but the last token's text
     bridge = TokenBridge(gemma, bpe, slm_eos={gemma.convert_tokens_to_ids("<end_of_turn>")}, verifier_eos=bpe.eos_token_id,
                          draft_tail=draft_tail)
@@ -273,7 +273,7 @@ def test_the_bridge_runs_the_tiny_slm_against_a_verifier_of_another_family(tiny_
                                               add_generation_prompt=True, tokenize=True)["input_ids"]
     bridge = TokenBridge(tiny_tok, bpe, slm_eos={1, tiny_tok.convert_tokens_to_ids("<turn|>")},
                          verifier_eos=bpe.eos_token_id)
-    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=2, hand_off=False, window=None), prompt, 24)
+    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=2, hand_off=False, window=None), prompt, 24).tokens
     for name, epsilon in (("specedge", 1.0), ("specedge-eps", 0.05)):
         cfg = decode_config(name, CheckConfig(temperature=1.0))
         drafter = TreeDrafter(cfg, None, SlmTorch(slm, keep_ids=None, ring_full=1024, ring_sliding=512, max_prompt=1024))
@@ -351,7 +351,7 @@ def test_the_phones_slm_graphs_draft_through_the_bridge(ladder, tiny_family, tin
                                               tokenize=True, return_dict=False)
     bridge = TokenBridge(tiny_tok, bpe, slm_eos={1, tiny_tok.convert_tokens_to_ids("<turn|>")},
                          verifier_eos=bpe.eos_token_id)
-    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None), prompt, 20)
+    reference = verifier_alone(ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None), prompt, 20).tokens
     cfg = decode_config("specedge", CheckConfig(temperature=1.0))
     drafter = TreeDrafter(cfg, None, SlmOnnx(ladder / "convert", keep_ids=keep, max_prompt=128))
     verifier = ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None)

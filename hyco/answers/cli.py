@@ -14,6 +14,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         sub, "answers", run=_cmd_answers, sections={"answers": AnswersConfig()},
         inputs={"verifier": "verifier checkpoint folder (corpus: its generation_config only)",
                 "tokenizer": "tokenizer folder", "vocab": "vocab stage output (prompts.jsonl)"},
+        optional={"verifier_tokenizer": "a verifier of another family: its own tokenizer (the answers are then its "
+                  "text in --tokenizer's ids, the SLM's; needs --slm)",
+                  "slm": "the SLM checkpoint folder (its generation_config: the end-of-turn ids), with "
+                  "--verifier-tokenizer"},
         help="the verifier's answers to the reserved prompts (read by qat and calibrate)",
         description="Answer vocab/'s reserved train and eval prompts once: the verifier's greedy text (the paper), "
         "its sampled text, or the conversations' own first assistant turns (corpus). Writes answers.jsonl, "

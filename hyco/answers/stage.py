@@ -22,12 +22,17 @@ from hyco.recipe import AnswersConfig, PlacementConfig, Recipe, to_dict
 
 
 def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: AnswersConfig, out: Path | None,
-                 placement: PlacementConfig | None = None) -> dict[str, Any]:
+                 placement: PlacementConfig | None = None, verifier_tokenizer: Path | None = None,
+                 slm: Path | None = None) -> dict[str, Any]:
     """Write OUT/answers.jsonl, answers.json, report.json and summary.md; return a short summary. For
     `source: corpus` only the verifier's generation config is read (its end-of-turn ids);
     `placement`: the verifier's dtype and devices (default: BF16 on a GPU, fp32 on the CPU).
     Under `accelerate launch` each process answers its share of the prompts (`hyco.launch`); a
-    follower process passes `out=None` and writes nothing."""
+    follower process passes `out=None` and writes nothing.
+
+    `verifier_tokenizer`: a verifier of another family (the token bridge; `tokenizer` is then the
+    SLM's, `slm` its checkpoint, whose generation config names its end-of-turn ids): the records
+    hold the verifier's answers as text in the SLM's ids, which qat and calibrate read."""
     from transformers import GenerationConfig
 
     from hyco.answers import ANSWERS_REPORT, generate_answers, write_answers
@@ -47,11 +52,19 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
         model = SimpleNamespace(device=torch.device("cpu"), generation_config=GenerationConfig.from_pretrained(verifier))
     else:
         model = load_verifier(verifier, placement or PlacementConfig())
+    bridge = {}
+    if verifier_tokenizer is not None:
+        slm_config = Path(slm or "") / "generation_config.json"
+        if slm is None or not slm_config.is_file():
+            raise HycoError(f"{slm_config}: not found (the SLM's end-of-turn ids, for answers in its tokens)")
+        eos = GenerationConfig.from_pretrained(slm).eos_token_id
+        bridge = {"verifier_tokenizer": load_tokenizer(Path(verifier_tokenizer)),
+                  "slm_eos": eos if isinstance(eos, list) else [eos] if eos is not None else []}
     lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
     mine = my_positions(len(prompts))
     records = generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,
                                max_prompt_tokens=config.max_prompt_tokens, temperature=config.temperature,
-                               top_k=config.top_k, top_p=config.top_p, seed=config.seed, positions=mine)
+                               top_k=config.top_k, top_p=config.top_p, seed=config.seed, positions=mine, **bridge)
     records = in_order(list(zip(mine, records, strict=True)), len(prompts), "answers")
     if out is None:
         return {}
@@ -94,6 +107,12 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
         if p is None:
             raise HycoError(f"models.{name} must name a folder for the answers stage, but got null")
     paths["vocab"] = Path(run_dir) / "vocab"
+    if recipe.models.verifier_tokenizer is not None:  # answers in the SLM's tokens (the token bridge)
+        paths["verifier_tokenizer"] = recipe.path(recipe.models.verifier_tokenizer, run_dir)
+        paths["slm"] = recipe.path(recipe.models.slm, run_dir)
+        if paths["slm"] is None:
+            raise HycoError("models.slm must name a folder for the answers stage of a cross-family recipe "
+                            "(its end-of-turn ids), but got null")
     return paths
 
 

@@ -102,6 +102,16 @@ def markup_ids(tokenizer) -> set[int]:
     return added | set(tokenizer.all_special_ids)
 
 
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The tokenizer's EOS and the special token its chat template writes after an answer (Gemma
+    4's <turn|>, Llama 3's <|eot_id|>): where a drafted path ends the turn."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                                        tokenize=True, return_dict=False)
+    markup = markup_ids(tokenizer)
+    last = next((t for t in reversed(list(ids)) if t in markup), None)
+    return {t for t in (tokenizer.eos_token_id, last) if t is not None}
+
+
 @dataclass
 class BridgeRound:
     slm_nodes: int  # draft nodes of the SLM's tree

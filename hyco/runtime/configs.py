@@ -23,6 +23,16 @@ from what was drafted under the bonus. `slm-alone` is the paper's delivery refer
 Drafter on the phone decodes by itself, one pass a token, each token sampled from its own
 top-`slm_topk` (`decode.decode_alone`).
 
+Through the token bridge (a verifier of another family, `models.verifier_tokenizer`; the check's
+`runtime_check/bridged.py`), `BRIDGE_CONFIGS`:
+
+| name           | drafter                          | acceptance | what it is for                  |
+|----------------|----------------------------------|------------|---------------------------------|
+| bridge-slm     | SLM-only tree, mapped per round  | exact      | lossless through the bridge     |
+| bridge-slm-eps | SLM-only tree, mapped per round  | epsilon    | the bridge under the paper's rule |
+| verifier-alone | none: one verifier pass a token  | none       | the server's cost reference     |
+| cloud-mtp      | the verifier's own head (server) | exact      | Cloud+head, where one is named  |
+
 `X@float` / `X@deployed`: configuration X with the phone's drafters on the other numerics
 (check.drafters; backend onnxruntime), so the report pairs X with its float twin.
 """
@@ -52,6 +62,8 @@ class DecodeConfig:
     drafters: str = "deployed"  # the phone's numerics under backend onnxruntime (check.drafters)
     alone: bool = False  # the SLM decodes by itself: no server, no verification (slm-alone)
     pd_passes: int = 0  # proactive drafting: SLM passes while the reply is in flight (specedge-pd)
+    bridged: bool = False  # the SLM drafts for a verifier of another tokenizer (hyco/runtime/bridge.py)
+    verifier_alone: bool = False  # no drafter: the verifier decodes by itself, one pass a token
 
 
 def _hybrid(check: CheckConfig, name: str, label: str, passes: int, epsilon: float,
@@ -83,15 +95,26 @@ CONFIGS = {
     "slm-alone": lambda c: DecodeConfig("slm-alone", "SLM alone", 0, False, (), 1, 1.0, 1, c.rate, 0.0, c.slm_topk,
                                         alone=True),
 }
+BRIDGE_CONFIGS = {
+    "bridge-slm": lambda c: replace(_slm_only(c, "bridge-slm", "SLM via token bridge", 1.0), bridged=True),
+    "bridge-slm-eps": lambda c: replace(_slm_only(c, "bridge-slm-eps", "SLM via token bridge, eps", c.epsilon),
+                                        bridged=True),
+    "verifier-alone": lambda c: DecodeConfig("verifier-alone", "Verifier alone", 0, False, (), 0, 1.0, 0, c.rate,
+                                             0.0, c.slm_topk, verifier_alone=True),
+    "cloud-mtp": lambda c: replace(CONFIGS["cloud-mtp"](c), label="Cloud+head"),
+}
 NUMERICS = ("deployed", "float")
 
 
-def decode_config(name: str, check: CheckConfig) -> DecodeConfig:
+def decode_config(name: str, check: CheckConfig, *, bridged: bool = False) -> DecodeConfig:
+    """`bridged`: the configurations of a check through the token bridge (`BRIDGE_CONFIGS`)."""
+    registry = BRIDGE_CONFIGS if bridged else CONFIGS
     base, _, numerics = name.partition("@")
-    if base not in CONFIGS or (numerics and numerics not in NUMERICS):
-        raise HycoError(f"check.configs: unknown configuration {name!r} (supported: {', '.join(CONFIGS)}, each "
-                        f"optionally @{' or @'.join(NUMERICS)})")
-    cfg = CONFIGS[base](check)
+    if base not in registry or (numerics and numerics not in NUMERICS):
+        other = "the token bridge's" if bridged else "a same-tokenizer check's"
+        raise HycoError(f"check.configs: unknown configuration {name!r} for {other} check (supported: "
+                        f"{', '.join(registry)}, each optionally @{' or @'.join(NUMERICS)})")
+    cfg = registry[base](check)
     if not numerics:
         return replace(cfg, drafters=check.drafters)
     return replace(cfg, name=name, label=f"{cfg.label} ({numerics} drafters)", drafters=numerics)

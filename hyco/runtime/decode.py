@@ -11,6 +11,7 @@ cut is the harness's budget, not the end of the text.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -148,24 +149,32 @@ def decode_alone(prompt: list[int], slm, *, topk: int, sampling: Sampling, seed:
 
 
 def verifier_alone(verifier: ReferenceVerifier, prompt: list[int], max_new_tokens: int,
-                   eos_ids: set[int] = frozenset()) -> list[int]:
+                   eos_ids: set[int] = frozenset(), probe_epsilon: float = 1.0) -> DecodeLog:
     """The verifier decoding by itself, one-node trees through the same tree pass: the reference
-    text a bridged run must commit, and the cost reference (one pass a token)."""
+    text a bridged run must commit, and the cost reference (`verifier-alone`: a round, a pass and
+    a token each, MAT 1 by construction)."""
+    log = DecodeLog(len(prompt))
     out = [verifier.prefill(prompt, None).root]
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
-        out.append(verifier.verify_tree(DraftTree(out[-1]), 1.0, None).root)
-    return out
+        tree = DraftTree(out[-1])
+        reply = verifier.verify_tree(tree, 1.0, None)
+        out.append(reply.root)
+        log.rounds.append(round_log(tree, reply, 1, probe_epsilon, 0.0))
+    log.tokens = out
+    return log
 
 
 def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: ReferenceVerifier,
                    drafter: TreeDrafter, bridge: TokenBridge, *, epsilon: float, max_new_tokens: int,
                    eos_ids: set[int], generator: torch.Generator | None,
-                   probe_epsilon: float | None = None) -> DecodeLog:
+                   probe_epsilon: float | None = None, max_rounds: int | None = None,
+                   on_round: Callable[[], None] | None = None) -> DecodeLog:
     """Hybrid decoding through the token bridge (`bridge-slm`; hyco/runtime/bridge.py): the SLM
     drafts its tree in its tokens on its own prompt (its chat template), the server maps the tree
     to the verifier's tokens and verifies it on the verifier's prompt, and the SLM's context
     follows the committed text. `log.tokens` are verifier tokens; `log.bridge` holds the bridge's
-    figures per round."""
+    figures per round. `max_rounds`: stop after that many rounds; `on_round`: called as each
+    round starts (export's smoke marks its passes per round)."""
     if drafter.mtp is not None or drafter.config.pd_passes:
         raise ValueError(f"{drafter.config.name}: the token bridge drafts SLM-only trees (no MTP head, no PD)")
     probe = epsilon if probe_epsilon is None else probe_epsilon
@@ -175,7 +184,9 @@ def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: 
     slm.start(slm_prompt)
     context = SlmContext(bridge.slm_tokenizer, list(slm_prompt))
     out = [reply.root]
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+    while len(out) < max_new_tokens and out[-1] not in eos_ids and len(log.rounds) != max_rounds:
+        if on_round is not None:
+            on_round()
         start = time.perf_counter()
         text, unfinished = complete_text(bridge.verifier_tokenizer, out)
         unchanged = len(context.prompt) + context.stable  # context tokens no new text can change

@@ -34,12 +34,12 @@ def _first_user(turns) -> list[str]:
     return next(([text] for role, text in turns if role in ("user", "human") and text.strip()), [])
 
 
-def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
-                 all_available: bool = False) -> list[list[int]]:
-    """First user turns, formatted with the chat template: the vocab stage's reserved evaluation
-    prompts when it ran, else the first conversations of the dataset's evaluation partition
-    (hyco/splits.py), which no fixture distillation trains on. `all_available`: every reserved
-    prompt (at least `count`), for a caller that chooses among them."""
+def load_prompt_texts(*, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
+                      all_available: bool = False) -> list[str]:
+    """First user turns: the vocab stage's reserved evaluation prompts when it ran, else the first
+    conversations of the dataset's evaluation partition (hyco/splits.py), which no fixture
+    distillation trains on. `all_available`: every reserved prompt (at least `count`), for a
+    caller that chooses among them."""
     texts = []
     prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
     if prompts_file is not None and prompts_file.is_file():
@@ -60,6 +60,13 @@ def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, c
                 break
     if len(texts) < count:
         raise HycoError(f"check.prompts asks for {count} prompts, but {prompts_file or dataset.source} has {len(texts)}")
+    return texts if all_available else texts[:count]
+
+
+def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
+                 all_available: bool = False) -> list[list[int]]:
+    """`load_prompt_texts` formatted with the tokenizer's chat template."""
     from hyco.workloads import chat_ids
 
-    return [chat_ids(tokenizer, [{"role": "user", "content": text}]) for text in (texts if all_available else texts[:count])]
+    texts = load_prompt_texts(vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=all_available)
+    return [chat_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]

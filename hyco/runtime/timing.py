@@ -99,14 +99,18 @@ class Times:
     sources: dict[str, str] = field(default_factory=dict)
 
 
+def _times(count: int, ms: float) -> float:
+    return count * ms if count else 0.0  # no steps cost nothing, also where the step has no figure (NaN)
+
+
 def server_ms(r: Round, t: Times) -> float:
-    return t.verify(r.rows, r.context) + r.head_steps * t.head_step
+    return t.verify(r.rows, r.context) + _times(r.head_steps, t.head_step)
 
 
 def phone_ms(r: Round, t: Times) -> float:
     """The phone's drafting; host work (LUTs, rings, masks) only in a round it drafts."""
     drafting = r.slm_passes or r.mtp_steps
-    return r.slm_passes * t.slm_pass + r.mtp_steps * t.mtp_step + (t.host if drafting else 0.0)
+    return _times(r.slm_passes, t.slm_pass) + _times(r.mtp_steps, t.mtp_step) + (t.host if drafting else 0.0)
 
 
 def round_wall_ms(r: Round, t: Times, link: Link) -> float:
