@@ -86,6 +86,40 @@ def test_a_verifiers_answer_becomes_the_slms_tokens(cross_verifier, tiny_family)
     assert slm_tok.decode(partial) in ("café ", "café")
 
 
+def test_answers_of_a_verifier_of_another_family_are_its_text_in_the_slms_ids(ladder, cross_verifier, tmp_path):
+    """The answers stage of the real cross-family recipe (source greedy): the verifier answers its
+    own chat template's prompt, and the record holds the SLM's prompt and the verifier's text in
+    the SLM's ids (what calibrate reads); checked against the verifier's own `generate`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hyco.answers import prompt_ids, read_answers, translate_answer
+    from hyco.answers.stage import make_answers
+    from hyco.keepset import load_prompts
+    from hyco.loading import load_tokenizer
+    from hyco.recipe import AnswersConfig
+
+    config = AnswersConfig(source="greedy", max_new_tokens_train=12, max_new_tokens_eval=12, max_prompt_tokens=48)
+    (tmp_path / "answers").mkdir()  # the stage's temp folder, as run_stage makes it
+    make_answers(verifier=cross_verifier, tokenizer=ladder / "fixtures" / "tokenizer", vocab=ladder / "vocab",
+                 config=config, out=tmp_path / "answers", verifier_tokenizer=cross_verifier,
+                 slm=ladder / "fixtures" / "slm")
+    records = read_answers(tmp_path / "answers" / "answers.jsonl")
+    prompts = load_prompts(ladder / "vocab")
+    slm_tok, bpe = load_tokenizer(ladder / "fixtures" / "tokenizer"), load_tokenizer(cross_verifier)
+    verifier = AutoModelForCausalLM.from_pretrained(cross_verifier, dtype=torch.float32).eval()
+    eos = set(verifier.generation_config.eos_token_id)
+    end = slm_tok.convert_tokens_to_ids("<turn|>")
+    for record, prompt in list(zip(records, prompts, strict=True))[:3]:
+        assert record["prompt_ids"] == prompt_ids(slm_tok, prompt["turns"], 48)  # the SLM's template
+        asked = prompt_ids(bpe, prompt["turns"], 48)  # the verifier's own
+        own = verifier.generate(torch.tensor([asked]), max_new_tokens=12, do_sample=False,
+                                pad_token_id=bpe.pad_token_id)[0, len(asked):].tolist()
+        cut = next((k + 1 for k, t in enumerate(own) if t in eos), len(own))
+        assert record["answer_ids"] == translate_answer(own[:cut], eos, bpe, slm_tok, end)
+        assert record["answer_ids"] and max(record["answer_ids"]) < len(slm_tok)
+
+
 def test_no_head_steps_cost_nothing_where_the_head_has_no_figure():
     """A check with no head on the server (the bridge's) has no head-step time (NaN): rounds that
     run no head must still have a server time."""

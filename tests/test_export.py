@@ -317,7 +317,9 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
 
     calls = []
 
-    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out, named_as, soc_model):
+    def failing_smoke(*, bundle, verifier, prompts, rounds, tolerance, isolate, out, named_as, soc_model,
+                      verifier_tokenizer):
+        assert verifier_tokenizer is None  # a verifier of the SLM's family: no token bridge
         calls.append({"bundle_json": (bundle / "bundle.json").is_file(), "verifier": verifier, "prompts": prompts,
                       "rounds": rounds, "tolerance": tolerance, "isolate": isolate, "out": out.name,
                       "soc_model": soc_model})
