@@ -246,7 +246,8 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
                 "slm_prompt_tokens_mean": sum(map(len, slm_prompts)) / len(slm_prompts),
                 "prompt_selection": selection,
                 "prompt_tokens_mean": sum(map(len, verifier_prompts)) / len(verifier_prompts),
-                "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
+                # the keep set is the SLM's, of its vocabulary (the verifier's is in "bridge")
+                "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": slm_vocab,
                 "bridge": {"slm_vocab_size": slm_vocab, "verifier_vocab_size": vocab_size,
                            "slm_eos": sorted(bridge.slm_eos), "verifier_eos": bridge.verifier_eos,
                            "draft_tail": bridge.draft_tail,

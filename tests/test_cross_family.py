@@ -159,10 +159,12 @@ def test_check_drafts_through_the_bridge_on_the_shipped_graphs(ladder, cross_ver
         assert b["host_ms_per_round"] > 0 and b["lost_share"] <= 1
     alone = report["configs"]["verifier-alone"]
     assert alone["mat"] == 1.0 and alone["bridge"] is None and alone["verifier_passes_per_output_token"] == 1.0
+    assert alone["tree_bytes_per_round"] == 0  # the server decodes alone: nothing goes up
     settings = report["settings"]
     assert settings["bridge"]["verifier_vocab_size"] == 1024 and settings["bridge"]["slm_vocab_size"] == 4096
     assert "export bundle" in settings["backends"]["slm"]
-    assert "## Token bridge" in (tmp_path / "check" / "summary.md").read_text()
+    summary = (tmp_path / "check" / "summary.md").read_text()
+    assert "## Token bridge" in summary and "keep set 1345 of 4096" in summary  # the SLM's keep set
 
 
 def test_check_through_the_bridge_on_a_spec_bench_file_over_two_runs(ladder, cross_verifier, tmp_path):

@@ -160,6 +160,7 @@ def verifier_alone(verifier: ReferenceVerifier, prompt: list[int], max_new_token
         reply = verifier.verify_tree(tree, 1.0, None)
         out.append(reply.root)
         log.rounds.append(round_log(tree, reply, 1, probe_epsilon, 0.0))
+        log.rounds[-1].tree_bytes = 0  # nothing goes up: the server decodes alone
     log.tokens = out
     return log
 
