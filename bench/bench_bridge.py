@@ -3,9 +3,9 @@
     .venv/bin/python bench/bench_bridge.py --out DIR [--verifier FOLDER] [--prompts 12] [--new-tokens 48]
 
 The SLM Drafter is the shipped tiny distilled family's (Gemma 4 layout, its own 4K-token tokenizer);
-the verifier is `--verifier` or, by default, one written into DIR/verifier by
-hyco/fixtures/cross_family.py (a Llama decoder with a byte-level BPE tokenizer, trained briefly
-on the same chat corpus: `--steps`). Prompts are first user turns of the corpus's evaluation
+the verifier is `--verifier` or, by default, the package's shipped draw of
+hyco/fixtures/cross_family.py copied into DIR/verifier (a Llama decoder with a byte-level BPE
+tokenizer, trained briefly on the same chat corpus; another `--steps` draws one there). Prompts are first user turns of the corpus's evaluation
 partition, each side in its own chat template. Per configuration (SLM-only trees through the
 bridge, exact and epsilon; hyco/runtime/decode.py `decode_bridged`; `--trim-tail` cuts each
 path at its last word instead of drafting it) and for the verifier alone
@@ -33,8 +33,9 @@ import torch
 from hyco.answers import text_stats
 from hyco.artifacts import write_json
 from hyco.chat import iter_conversations
-from hyco.fixtures.cache import cached_family
+from hyco.fixtures.cache import cached_family, cross_options
 from hyco.fixtures.cross_family import write_cross_family_verifier
+from hyco.fixtures.shipped import copy_shipped
 from hyco.recipe import CheckConfig
 from hyco.runtime.bridge import TokenBridge
 from hyco.runtime.configs import decode_config
@@ -66,7 +67,8 @@ def chat(tok, text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--verifier", type=Path, default=None, help="a verifier folder (default: write one)")
+    parser.add_argument("--verifier", type=Path, default=None,
+                        help="a verifier folder (default: the shipped cross-family verifier, else one drawn here)")
     parser.add_argument("--steps", type=int, default=300, help="training steps of the written verifier")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -78,7 +80,9 @@ def main() -> None:
     written = None
     if verifier_dir is None:
         verifier_dir = args.out / "verifier"
-        if not (verifier_dir / "config.json").is_file():
+        # the package's shipped draw (300 steps) when current and --steps asks for that draw
+        shipped = args.steps == 300 and copy_shipped(cross_options(0), verifier_dir) is not None
+        if not shipped and not (verifier_dir / "config.json").is_file():
             written = write_cross_family_verifier(verifier_dir, steps=args.steps)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
