@@ -307,19 +307,24 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     E2B shapes."""
     import torch
 
+    from hyco.ct_format import gemma_layout, is_ct
+
     start = time.perf_counter()
     phase = Phases("convert")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     return_large_blocks()
+    source, weight_format = checkpoint, "compressed-tensors (-ct)" if is_ct(checkpoint) else "gemma (-transformers)"
     with phase("read checkpoint, LUTs"):
+        checkpoint = gemma_layout(checkpoint)  # a -ct folder: its proven -transformers transcode
         ckpt, load_report, tc, keep_ids, luts, kv_scales = read_inputs(checkpoint, config, keep_set, tokenizer, out)
     with tempfile.TemporaryDirectory(prefix="hyco-convert-") as tmp:
         graphs = write_graphs(ckpt, tc, keep_ids, kv_scales, config, keep_set, out, Path(tmp), phase)
         per_graph, all_equal, parity = prove(ckpt, keep_ids, graphs, config, out, Path(tmp), phase)
     tree = per_graph[GRAPHS["tree"]]
-    report = {"checkpoint": str(checkpoint), "layout": load_report["layout"], "load": load_report,
+    report = {"checkpoint": str(source), "weight_format": weight_format, "read_from": str(checkpoint),
+              "layout": load_report["layout"], "load": load_report,
               "export_s": graphs["export_s"],
               "keep_set": {"path": str(keep_set) if keep_ids is not None else None,
                            "size": int(len(keep_ids)) if keep_ids is not None else tc.vocab_size},

@@ -70,7 +70,8 @@ GEMMA4 = register(Family(
             "multimodal", "model.language_model.",
             ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")),
     },
-    slm_formats=("gemma",),  # the QAT mobile `-transformers` checkpoints
+    # the QAT mobile `-transformers` checkpoints, and `-ct` (read through hyco/ct_format.py)
+    slm_formats=("gemma", "compressed-tensors"),
     layer_types={"full_attention": "full", "sliding_attention": "sliding"},
     # the tied dense output layer (26B-A4B's assistant); the centroid-masked one (E2B/E4B's,
     # use_ordered_embeddings) is refused by qat/mtp.py require_plain_output_layer

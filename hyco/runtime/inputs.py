@@ -19,6 +19,9 @@ def load_model(path: Path, what: str, placement=None):
 
     quantized = what == "SLM"  # the QAT-format checkpoint: integer weights and their scales
     if quantized:
+        from hyco.ct_format import gemma_layout
+
+        path = gemma_layout(path)  # a -ct checkpoint: its proven -transformers transcode
         check_scales(checkpoint_files(path, what))
     if placement is not None and not quantized:
         model = load_verifier(path, placement, what)
