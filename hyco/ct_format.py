@@ -41,10 +41,15 @@ STATIC_8BIT = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "ten
 
 
 def is_ct(folder: Path) -> bool:
+    """Whether `folder`'s config.json names the compressed-tensors method (a missing config is
+    not: the reader after this one says what is missing; a malformed one fails here by name)."""
+    from hyco.loading import read_json
+
     config = Path(folder) / "config.json"
     if not config.is_file():
         return False
-    quant = json.loads(config.read_text()).get("quantization_config") or {}
+    data = read_json(config, "config.json")
+    quant = (data.get("quantization_config") if isinstance(data, dict) else None) or {}
     return quant.get("quant_method") == CT_METHOD
 
 
