@@ -79,6 +79,41 @@ def test_read_back_the_ct_layout_is_the_transformers_checkpoint_tensor_for_tenso
     assert gemma_layout(SHIPPED_SLM) == SHIPPED_SLM
 
 
+def test_a_sharded_checkpoint_keeps_its_shards_both_ways(tmp_path, monkeypatch):
+    """A checkpoint in two shards with an index (as the real ones are): the -ct copy and its
+    transcode keep each tensor in its shard, and the transcode reads back tensor for tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from hyco.ct_format import gemma_layout, write_ct
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for p in SHIPPED_SLM.iterdir():
+        if p.name != "model.safetensors":
+            (sharded / p.name).write_bytes(p.read_bytes())
+    with safe_open(SHIPPED_SLM / "model.safetensors", "pt") as f:
+        names = sorted(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    half = {n for n in names if ".layers.0." in n or "embed" in n}  # a module's tensors stay together
+    files = {"model-00001-of-00002.safetensors": half, "model-00002-of-00002.safetensors": set(names) - half}
+    for file, held in files.items():
+        save_file({n: tensors[n] for n in sorted(held)}, str(sharded / file), metadata={"format": "pt"})
+    weight_map = {n: file for file, held in files.items() for n in held}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_ct(sharded, tmp_path / "ct")
+    ct_map = json.loads((tmp_path / "ct" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(ct_map.values()) == set(files) and not (tmp_path / "ct" / "model.safetensors").exists()
+    monkeypatch.setenv("HYCO_CACHE", str(tmp_path / "cache"))
+    folder = gemma_layout(tmp_path / "ct")
+    back = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert back == weight_map
+    for file in files:
+        with safe_open(sharded / file, "pt") as a, safe_open(folder / file, "pt") as b:
+            assert set(a.keys()) == set(b.keys())
+            assert all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in a.keys()), file
+
+
 def test_convert_writes_the_same_bytes_from_either_layout(ct_slm, ladder, tmp_path, monkeypatch):
     """The ladder's convert (the same tiny SLM in the -transformers layout) against convert on the
     -ct copy with the same recipe: every graph, LUT, rope and encodings file byte for byte; only the
