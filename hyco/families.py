@@ -73,8 +73,8 @@ GEMMA4 = register(Family(
     # the QAT mobile `-transformers` checkpoints, and `-ct` (read through hyco/ct_format.py)
     slm_formats=("gemma", "compressed-tensors"),
     layer_types={"full_attention": "full", "sliding_attention": "sliding"},
-    # the tied dense output layer (26B-A4B's assistant); the centroid-masked one (E2B/E4B's,
-    # use_ordered_embeddings) is refused by qat/mtp.py require_plain_output_layer
+    # both output layers: the tied dense one (26B-A4B's assistant) and the centroid-masked one
+    # (E2B/E4B's, use_ordered_embeddings: hyco/npu_ops.py centroid_mask in the step graph)
     heads={"gemma4_assistant": Head("gemma4_assistant", reads=("full_attention", "sliding_attention"),
                                     step="hyco.qat.step_graph:MtpStep", capture="hyco.handoff:handoff_states")},
 ))

@@ -229,10 +229,17 @@ def checkpoint_files(folder: str | Path, what: str = "checkpoint") -> dict[str, 
     return tensors
 
 
+# Integer buffers a float checkpoint holds as integers: the centroid-masked assistant's vocabulary
+# order (transformers keeps the buffer's int64; qat/mtp.py clusters_of checks it is a permutation).
+INTEGER_BUFFERS = {"masked_embedding.token_ordering": frozenset({"I32", "I64"})}
+
+
 def check_float_checkpoint(tensors: dict[str, tuple[str, tuple[int, ...], Path]], what: str) -> None:
-    """A float checkpoint (verifier, assistant) holds float tensors only: transformers would cast
-    an integer tensor to float without a word."""
+    """A float checkpoint (verifier, assistant) holds float tensors only, but for its integer
+    buffers (INTEGER_BUFFERS): transformers would cast an integer tensor to float without a word."""
     for name, (dtype, _, path) in sorted(tensors.items()):
+        if dtype in INTEGER_BUFFERS.get(name, ()):
+            continue
         if dtype not in FLOAT_DTYPES:
             raise HycoError(f"{path}: tensor {name!r} is {dtype}, but the {what} is a float checkpoint "
                             f"({', '.join(sorted(FLOAT_DTYPES))})")

@@ -9,7 +9,10 @@ graphs drift apart (they did: two TopK slice widths).
   have cos 1, sin 0, so one full-width rotate_half serves every layer type;
 - `sliced_topk`: the HTP returns TopK indices modulo 65,536 (platform notes), so a TopK wider
   than that runs over slices of at most TOPK_SLICE columns (indices 0..65,535), each slice's
-  offset added, then over the candidates.
+  offset added, then over the candidates;
+- `centroid_mask`: gemma4_assistant's centroid-masked output layer (`use_ordered_embeddings`) on
+  a dense keep-set row: a TopK over the centroid logits, a Gather of the chosen flags per token, a
+  Where (no gather of weight rows: the keep-set output layer is computed whole, as for the plain head).
 """
 
 from __future__ import annotations
@@ -50,3 +53,24 @@ def sliced_topk(x: torch.Tensor, k: int, slice_width: int = TOPK_SLICE) -> tuple
         indices.append(i + start)
     top, pick = torch.topk(torch.cat(values, dim=-1), k, dim=-1)
     return top, torch.gather(torch.cat(indices, dim=-1), -1, pick)
+
+
+# Tokens a centroid-masked head did not score sit this far below the row's best logit: e^-50 per
+# token, times a 262,144-token vocabulary, is ~5e-17 of the row's mass, below float32's resolution
+# of a sum near 1, so the log-softmax equals the one over the scored tokens alone; and the masked
+# row spans no more than a logit row does (no constant that saturates a 16-bit encoding).
+CENTROID_GAP = 50.0
+
+
+def centroid_mask(logits: torch.Tensor, centroid_logits: torch.Tensor, cluster_of: torch.Tensor, top_k: int,
+                  gap: float = CENTROID_GAP) -> torch.Tensor:
+    """Tokens (the last axis of `logits`) whose cluster (`cluster_of`, int64 per token) is among
+    the `top_k` best of `centroid_logits` keep their logit; the rest sit `gap` below the best of those.
+    transformers fills them with the scored minimum - 1, a placeholder rather than a score, which
+    the host's reference drops (hyco/runtime/mtp.py `scored_logits`). An exact tie with the k-th
+    centroid admits both clusters (transformers' TopK picks one); float logits do not tie."""
+    kth = torch.topk(centroid_logits, top_k, dim=-1).values[..., -1:]
+    chosen = torch.index_select(centroid_logits >= kth, -1, cluster_of)
+    # below the best *scored* logit: the dense row's best may be a token no chosen cluster holds
+    best = torch.where(chosen, logits, logits.amin(dim=-1, keepdim=True)).amax(dim=-1, keepdim=True)
+    return torch.where(chosen, logits, best.detach() - gap)  # detached: the fill is not a score to train

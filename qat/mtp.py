@@ -19,29 +19,51 @@ from torch import nn
 
 from hyco.errors import HycoError
 from hyco.handoff import attention_masks
+from hyco.npu_ops import centroid_mask
 
 
-def require_plain_output_layer(config, where: str | None = None) -> None:
-    """Refuse a head whose logits are not `lm_head(h)`.
+def centroid_masked(config) -> bool:
+    """Whether the head's output layer is gemma4_assistant's centroid-masked one
+    (`use_ordered_embeddings`, E2B/E4B's assistants) instead of the plain lm_head."""
+    return bool(getattr(config, "use_ordered_embeddings", False))
 
-    With `use_ordered_embeddings`, transformers' gemma4_assistant scores only the tokens of the
-    `centroid_intermediate_top_k` best of `num_centroids` clusters (`masked_embedding`: a
-    centroid Linear, a TopK, a `token_ordering` gather) and fills the rest with the row's minimum
-    minus 1. The QAT student, the step graph and its keep-set TopK compute the plain output
-    layer, so such a head would silently draft from a different distribution: refused.
-    """
-    if getattr(config, "use_ordered_embeddings", False):
-        folder = where or getattr(config, "_name_or_path", "") or "assistant"
-        raise HycoError(f"{folder}/config.json: use_ordered_embeddings is true (gemma4_assistant's centroid-masked "
-                        f"output layer, {getattr(config, 'num_centroids', '?')} centroids, top "
-                        f"{getattr(config, 'centroid_intermediate_top_k', '?')}); the QAT student and mtp_step.onnx "
-                        "compute the plain lm_head over the keep set, so this head is not supported")
+
+def check_output_layer(config, where: str | None = None) -> None:
+    """A centroid-masked head's config, checked before any weight is read: transformers views
+    `token_ordering` as [num_centroids, vocab / num_centroids] and takes the top
+    `centroid_intermediate_top_k` of them, so both must fit."""
+    if not centroid_masked(config):
+        return
+    folder = where or getattr(config, "_name_or_path", "") or "assistant"
+    vocab = config.get_text_config().vocab_size
+    centroids, top_k = config.num_centroids, config.centroid_intermediate_top_k
+    if centroids <= 0 or vocab % centroids:
+        raise HycoError(f"{folder}/config.json: num_centroids {centroids} does not divide the vocabulary "
+                        f"({vocab} tokens), so token_ordering has no [num_centroids, tokens per centroid] view")
+    if not 0 < top_k <= centroids:
+        raise HycoError(f"{folder}/config.json: centroid_intermediate_top_k {top_k} is outside 1..{centroids} "
+                        "(num_centroids)")
+
+
+def clusters_of(head: nn.Module, keep_ids: torch.Tensor | None) -> torch.Tensor:
+    """Each kept token's centroid (int64, keep order): `token_ordering` lists the vocabulary
+    cluster by cluster, vocab / num_centroids tokens each (transformers' masked embedding).
+    A missing ordering loads as zeros (transformers' init), so it must be a permutation."""
+    masked = head.masked_embedding
+    order = masked.token_ordering.detach().long().cpu()
+    vocab = masked.vocab_size
+    if order.shape != (vocab,) or not torch.equal(torch.sort(order).values, torch.arange(vocab)):
+        folder = getattr(head.config, "_name_or_path", "") or "assistant"
+        raise HycoError(f"{folder}: masked_embedding.token_ordering is not a permutation of the {vocab}-token "
+                        "vocabulary (missing from the checkpoint's files, or cut)")
+    cluster = torch.empty(vocab, dtype=torch.long)
+    cluster[order] = torch.arange(vocab) // masked.vocab_size_per_centroid
+    return cluster if keep_ids is None else cluster[keep_ids.cpu()]
 
 
 def restricted_lm_head(head: nn.Module, keep_ids: torch.Tensor | None, rows: nn.Linear | None = None) -> nn.Linear:
     """An untied copy of the head's output layer, cut to the keep set (rows in keep order).
     `rows`: a layer already cut to it (the teacher's), copied instead."""
-    require_plain_output_layer(head.config)
     weight = head.lm_head.weight.detach() if rows is None else rows.weight.detach()
     if keep_ids is not None and rows is None:
         weight = weight[keep_ids.to(weight.device)]
@@ -74,6 +96,19 @@ def output_table_on_disk(head: nn.Module, folder: Path) -> Iterator[None]:
             path.unlink()
 
 
+@contextlib.contextmanager
+def dense_rows(*heads: nn.Module) -> Iterator[None]:
+    """The heads (TeacherForcedHead, or a QuantSim of one) give their dense rows for the block."""
+    saved = [h.dense for h in heads]
+    try:
+        for h in heads:
+            h.dense = True
+        yield
+    finally:
+        for h, d in zip(heads, saved, strict=True):
+            h.dense = d
+
+
 class TeacherForcedHead(nn.Module):
     """The head over T drafting positions at once, taking plain tensors (QuantSim wraps this).
 
@@ -81,6 +116,10 @@ class TeacherForcedHead(nn.Module):
     v_sliding [1, kv_heads, N, d], mask_full, mask_sliding [1, 1, T, N])
     -> (logits [1, T, V'] over the restricted output layer, next hidden [1, T, Hb]).
     Submodule names follow the HF head (`model.layers.0.self_attn.q_proj`, ...).
+
+    A centroid-masked head keeps its centroid layer (`masked_embedding.centroids`, quantized like
+    every Linear) and masks the row as the step graph does (hyco/npu_ops.py `centroid_mask`), unless
+    `dense` is set: training takes the KL on the dense row (train.py says why).
     """
 
     def __init__(self, head: nn.Module, keep_ids: torch.Tensor | None = None, rows: nn.Linear | None = None):
@@ -89,6 +128,11 @@ class TeacherForcedHead(nn.Module):
         self.model = head.model
         self.post_projection = head.post_projection
         self.lm_head = restricted_lm_head(head, keep_ids, rows)
+        self.masked_embedding, self.centroid_top_k, self.dense = None, 0, False
+        if centroid_masked(head.config):
+            self.masked_embedding = nn.ModuleDict({"centroids": head.masked_embedding.centroids})
+            self.register_buffer("cluster_of", clusters_of(head, keep_ids).to(head.lm_head.weight.device))
+            self.centroid_top_k = head.config.centroid_intermediate_top_k
         # Optional fixed-range fake quantizers on the inputs, named like the step graph's inputs
         # (token_embed, hidden, k_full, ...): the student then sees the phone's input clipping.
         self.input_qdq: nn.ModuleDict | None = None
@@ -115,7 +159,10 @@ class TeacherForcedHead(nn.Module):
             logits_to_keep=None,  # an int makes the HF model slice multi-query inputs (and crash)
         )
         last = out.last_hidden_state
-        return self.lm_head(last), self.post_projection(last)
+        logits = self.lm_head(last)
+        if self.masked_embedding is not None and not self.dense:
+            logits = centroid_mask(logits, self.masked_embedding["centroids"](last), self.cluster_of, self.centroid_top_k)
+        return logits, self.post_projection(last)
 
 
 def teacher_forced_inputs(embeds: torch.Tensor, hidden: torch.Tensor,

@@ -38,7 +38,7 @@ def load_model(path: Path, what: str, dtype: torch.dtype, device_map=None):
 
 def check_pair(v_cfg, h_cfg, tokenizer, verifier_dir: Path, assistant_dir: Path) -> None:
     """The verifier / head pair from their configs (before the head's weights are read)."""
-    from hyco.qat.mtp import require_plain_output_layer
+    from hyco.qat.mtp import check_output_layer
 
     from hyco.families import family_of, head_of
 
@@ -49,7 +49,7 @@ def check_pair(v_cfg, h_cfg, tokenizer, verifier_dir: Path, assistant_dir: Path)
                         f"is family {verifier.name}")
     v_cfg = v_cfg.get_text_config()
 
-    require_plain_output_layer(h_cfg, str(assistant_dir))
+    check_output_layer(h_cfg, str(assistant_dir))
     if h_cfg.backbone_hidden_size != v_cfg.hidden_size:
         raise HycoError(f"{assistant_dir}: backbone_hidden_size {h_cfg.backbone_hidden_size} does not match the "
                         f"verifier's hidden size {v_cfg.hidden_size} ({verifier_dir})")
@@ -171,7 +171,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
 def read_inputs(tokenizer: Path, vocab: Path, answers: Path, assistant: Path, phase: Phases):
     """The tokenizer, keep set and answers; the head's config checked, and its file read once
     so that a damaged head fails now, not after the verifier's answers and captures."""
-    from hyco.qat.mtp import require_plain_output_layer
+    from hyco.qat.mtp import check_output_layer
 
     from hyco.keepset import load_keep_set
     from hyco.loading import load_config, load_tokenizer
@@ -183,7 +183,7 @@ def read_inputs(tokenizer: Path, vocab: Path, answers: Path, assistant: Path, ph
     keep = load_keep_set(vocab, tok)
     answer_rows, answer_report = read_answer_folder(Path(answers), tok)
     h_cfg = load_config(assistant, "assistant")
-    require_plain_output_layer(h_cfg, str(assistant))  # before any weight is read
+    check_output_layer(h_cfg, str(assistant))  # before any weight is read
     with phase("check head"):
         # the head is small, and it is freed before the verifier loads
         checked = load_model(assistant, "assistant", torch.float32)
@@ -324,8 +324,9 @@ def write_float_step(out: Path, head, teacher, keep, kv_shapes, config: QatConfi
                     "capture_point": config.capture_point, "weight_bits": config.weight_bits,
                     "activation_bits": config.activation_bits, "float_graph": "mtp_step.float.onnx"})
     teacher_linears = dict(teacher.named_modules())
-    step = MtpStep(head, {n: teacher_linears[n].weight.detach().cpu() for n in linear_names(len(head.model.layers))},
-                   config.topk).cpu().eval()
+    names = linear_names(len(head.model.layers), centroids=teacher.masked_embedding is not None)
+    step = MtpStep(head, {n: teacher_linears[n].weight.detach().cpu() for n in names}, config.topk,
+                   getattr(teacher, "cluster_of", None)).cpu().eval()
     export_float(step, spec, out / "mtp_step.float.onnx")
     return spec
 
@@ -350,6 +351,8 @@ def write_drafter(out: Path, head, sim, keep, spec, ranges, config: QatConfig) -
     for i, layer in enumerate(head.model.layers):
         tensors[f"model.layers.{i}.layer_scalar"] = layer.layer_scalar.detach().float().cpu().contiguous()
     tensors["keep_to_vocab"] = torch.as_tensor(keep.keep_to_vocab, dtype=torch.int32)
+    if getattr(sim.model, "masked_embedding", None) is not None:  # each keep row's centroid
+        tensors["cluster_of"] = sim.model.cluster_of.to(torch.int32)
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "head_w4.safetensors"),
               metadata={"bits": str(config.weight_bits), "format": LINEAR_FORMAT})
 
@@ -483,7 +486,7 @@ def step_graph_proof(out: Path, head, sim, feeds_list: list[dict], topk: int) ->
 
     weights = {name: (v.float() * s.float()[:, None]).cpu() for name, (v, s) in
                ((name, integer_weights(layer)) for name, layer in quantized_linears(sim).items())}
-    step = MtpStep(head, weights, topk).cpu().eval()
+    step = MtpStep(head, weights, topk, getattr(sim.model, "cluster_of", None)).cpu().eval()
     with tempfile.TemporaryDirectory(prefix="hyco-step-parity-") as tmp:
         taps = tap_input_qdq(out / "mtp_step.onnx", Path(tmp) / "mtp_step.parity.onnx")
         sess = ort_session(Path(tmp) / "mtp_step.parity.onnx", rewrites=False)
@@ -552,10 +555,12 @@ def plot_agreement(path: Path, results: dict, bits: int) -> None:
 
 
 def summary_md(report: dict, bits: int) -> str:
-    rows = [{"model": k, "top1_agreement": v["top1_agreement"], "kl": v["kl"], "positions": v["positions"]}
-            for k, v in report["agreement"].items()]
+    columns = ["model", "top1_agreement", "kl", "positions"]
+    if any("kl_dense" in v for v in report["agreement"].values()):  # a centroid-masked head (qat/evaluate.py)
+        columns[3:3] = ["kl_dense", "same_scored_tokens"]
+    rows = [{"model": k, **v} for k, v in report["agreement"].items()]
     tr, par = report["training"], report["parity"]
-    md = "# qat: the MTP head at 4-bit\n\n" + markdown_table(rows, ["model", "top1_agreement", "kl", "positions"])
+    md = "# qat: the MTP head at 4-bit\n\n" + markdown_table(rows, columns)
     md += (f"\nTraining: {tr['steps']} steps, {tr['s_per_step']} s/step on {tr['device']} "
            f"(loss {tr['first_loss']} -> {tr['last_loss']}).\n\n"
            f"Parity on {par['positions']} positions of a calibration sequence: float graph vs transformers max |d logprob| "

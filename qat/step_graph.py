@@ -4,7 +4,7 @@ The step reads the head's weights (HF names) and runs one query against a ring o
 K/V rows per source layer. HTP rules it follows (platform notes): rotary as host cos/sin
 rows, RMSNorm as x * Reciprocal(Sqrt(mean(x*x) + eps)) (no Pow), GELU written with Tanh,
 additive masks with a small negative, LogSoftmax straight after the output MatMul (no scalar
-Mul before it; the assistant has no softcap), TopK over slices narrower than 65,536 with the
+Mul before it; the assistant has no softcap; a centroid-masked head puts its Where between), TopK over slices narrower than 65,536 with the
 slice offset added afterwards (HTP returns larger indices modulo 65,536).
 
 `quantize_graph` turns the float export into the shipped graph: every weight becomes an INT4
@@ -24,20 +24,21 @@ from hyco import npu_ops
 from hyco.host import SHORT
 from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import gelu_tanh, rms_norm, rotate, sliced_topk
+from hyco.npu_ops import centroid_mask, gelu_tanh, rms_norm, rotate, sliced_topk
 
 TOPK_SLICE = npu_ops.TOPK_SLICE  # a module name, so a test can narrow it
 OPSET = 21
 
 
-def linear_names(num_layers: int) -> list[str]:
-    """HF module names of the head's linears, in compute order (restricted lm_head last)."""
+def linear_names(num_layers: int, centroids: bool = False) -> list[str]:
+    """HF module names of the head's linears, in compute order (restricted lm_head last; a
+    centroid-masked head's centroid layer just before it)."""
     names = ["pre_projection"]
     for i in range(num_layers):
         p = f"model.layers.{i}"
         names += [f"{p}.self_attn.q_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj",
                   f"{p}.mlp.down_proj"]
-    return names + ["post_projection", "lm_head"]
+    return names + ["post_projection", *(["masked_embedding.centroids"] if centroids else []), "lm_head"]
 
 
 def param_name(module: str) -> str:
@@ -47,13 +48,15 @@ def param_name(module: str) -> str:
 
 class MtpStep(nn.Module):
     """One drafting step over fixed-shape inputs (see `io_spec`); weights from `weights`
-    (HF module name -> [out, in] float) and the HF head for norms, shapes and types."""
+    (HF module name -> [out, in] float) and the HF head for norms, shapes and types.
+    A centroid-masked head also needs `cluster_of` (each output row's centroid, qat/mtp.py
+    `clusters_of`); its row is masked by hyco/npu_ops.py `centroid_mask` before the LogSoftmax."""
 
-    def __init__(self, head: nn.Module, weights: dict[str, torch.Tensor], topk: int):
+    def __init__(self, head: nn.Module, weights: dict[str, torch.Tensor], topk: int,
+                 cluster_of: torch.Tensor | None = None):
         super().__init__()
-        from hyco.qat.mtp import require_plain_output_layer
+        from hyco.qat.mtp import centroid_masked
 
-        require_plain_output_layer(head.config)  # the graph's output is the plain lm_head
         text = head.config.get_text_config()
         self.layer_types = list(text.layer_types)
         self.heads = text.num_attention_heads
@@ -61,7 +64,12 @@ class MtpStep(nn.Module):
         self.topk = topk
         self.groups = [layer.self_attn.num_key_value_groups for layer in head.model.layers]
         self.head_dims = [layer.self_attn.head_dim for layer in head.model.layers]
-        for name in linear_names(len(self.layer_types)):
+        self.centroid_top_k = head.config.centroid_intermediate_top_k if centroid_masked(head.config) else 0
+        if self.centroid_top_k:
+            if cluster_of is None or cluster_of.shape != (weights["lm_head"].shape[0],):
+                raise ValueError("a centroid-masked head's step needs cluster_of, one centroid per output row")
+            self.register_buffer("cluster_of", cluster_of.detach().long().cpu().clone())
+        for name in linear_names(len(self.layer_types), centroids=bool(self.centroid_top_k)):
             # [in, out]: the graph multiplies x @ W, and per-channel scales run along axis 1.
             self.register_buffer(param_name(name), weights[name].detach().float().t().contiguous())
         norms = {n: p.detach().float().clone() for n, p in head.named_parameters() if "norm" in n}
@@ -99,7 +107,10 @@ class MtpStep(nn.Module):
             x = x + rms_norm(y, self.n(f"{p}.post_feedforward_layernorm.weight"), self.eps)
             x = x * getattr(self, f"layer_scalar__{i}")
         x = rms_norm(x, self.n("model.norm.weight"), self.eps)
-        logprobs = torch.log_softmax(x @ self.w("lm_head"), dim=-1)  # [1, V']
+        logits = x @ self.w("lm_head")  # [1, V']
+        if self.centroid_top_k:
+            logits = centroid_mask(logits, x @ self.w("masked_embedding.centroids"), self.cluster_of, self.centroid_top_k)
+        logprobs = torch.log_softmax(logits, dim=-1)
         top_lp, top_ids = sliced_topk(logprobs, self.topk, TOPK_SLICE)
         return top_lp, top_ids, x @ self.w("post_projection")
 
@@ -134,6 +145,9 @@ def io_spec(head: nn.Module, kv_shapes: dict[str, tuple[int, int]], window: int,
         TensorSpec("topk_ids", (1, topk), "int64", "keep indices (keep_to_vocab.npy maps to vocab ids)"),
         TensorSpec("next_hidden", (1, hb), f32, "the head's projected state: `hidden` of the next step"),
     )
+    if getattr(head.config, "use_ordered_embeddings", False):  # informative: the graph holds its clusters
+        meta = {**meta, "centroids": {"num_centroids": head.config.num_centroids,
+                                      "top_k": head.config.centroid_intermediate_top_k}}
     return GraphSpec("mtp_step.onnx", inputs, outputs, {
         "window": window, "keep_size": vocab, "topk": topk, "sliding_window": text.sliding_window, **meta})
 

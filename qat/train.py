@@ -5,6 +5,11 @@ the float head, frozen. Gradients pass AIMET's fake quantization by the straight
 estimator; weights and weight encodings train, activation encodings stay as calibrated. AdamW (0.9, 0.95), no weight decay,
 gradient-norm clip 1.0, linear warm-up then cosine, one sequence per micro-batch, gradient
 accumulation; fp32 master weights, BF16 autocast only where the recipe switches it on (GPUs).
+
+A centroid-masked head trains on its dense keep-set row: the centroid choice is a hard TopK with no
+gradient, the masked row is the dense one restricted to the chosen clusters, and where student and
+teacher choose differently a masked KL would charge the student the gap for tokens it cannot learn
+to score. The agreement figures (evaluate.py) and the graphs use the masked row that ships.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from hyco.qat.lean_qdq import lean_weight_qdq
-from hyco.qat.mtp import teacher_forced_inputs
+from hyco.qat.mtp import dense_rows, teacher_forced_inputs
 from hyco.qat.quantsim import plain
 
 from hyco.captures import Capture
@@ -66,7 +71,8 @@ def train_student(sim, teacher: torch.nn.Module, captures: Sequence[Capture], cf
     history = []
     sim.model.train()
     use_autocast = cfg.bf16_autocast and device.type in ("cuda", "cpu")
-    with lean_weight_qdq():  # the output layer's fake-quant backward a block of rows at a time (peak)
+    # lean: the output layer's fake-quant backward a block of rows at a time (peak)
+    with lean_weight_qdq(), dense_rows(teacher, sim.model):
         for step in progress(range(cfg.steps), desc="qat: train", unit="step", disable=None):
             start = time.perf_counter()
             for group in opt.param_groups:

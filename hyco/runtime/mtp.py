@@ -12,6 +12,7 @@ from torch import nn
 from hyco.handoff import StepInput, attention_masks
 from hyco.host import SHORT, Rope
 from hyco.io_spec import GraphSpec
+from hyco.npu_ops import CENTROID_GAP
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,22 @@ def head_step(head: nn.Module, embed: torch.Tensor, hidden: torch.Tensor,
         shared_kv_states=_shared_kv(kv, device, dtype),
         use_cache=False,
     )
-    return out.logits[0, -1].float(), out.last_hidden_state[0, -1].float()
+    return scored_logits(head, out.logits[0, -1].float()), out.last_hidden_state[0, -1].float()
+
+
+def scored_logits(head: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """A row of the head's own output, its unscored tokens given the step graph's fill.
+
+    transformers' centroid-masked head (`use_ordered_embeddings`) scores the tokens of its top
+    clusters and fills every other token with one value, the scored minimum - 1: a placeholder,
+    not a score (and taken over the whole batch). The phone's step graph puts those tokens
+    CENTROID_GAP below the row's best, which leaves them no mass in float32 (hyco/npu_ops.py
+    `centroid_mask`); so does this, recognising the fill as the row's minimum, below every scored
+    logit. In BF16 the fill can round onto the scored minimum, which then goes too: the least
+    likely scored token, with no bearing on a top-k."""
+    if not getattr(head.config, "use_ordered_embeddings", False):
+        return logits
+    return logits.masked_fill(logits == logits.min(), float(logits.max()) - CENTROID_GAP)
 
 
 @torch.no_grad()
