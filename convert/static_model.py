@@ -25,7 +25,9 @@ from torch import nn
 
 from hyco.host import SHORT
 from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import TOPK_SLICE, gelu_tanh, rms_norm, rotate, sliced_topk
+from hyco.npu_ops import MLP, TOPK_SLICE, Attention, DecoderLayer, LayerShape, RMSNorm, sliced_topk
+
+__all__ = ["MLP", "Attention", "DecoderLayer", "LayerShape", "RMSNorm"]  # the shared layer, re-exported for rewrites.py
 
 # --- ops with an explicit ONNX form ---------------------------------------------------------
 
@@ -119,98 +121,6 @@ class IntLinear(nn.Module):
         if self.output_scale:
             y = _StaticRangeQuantize.apply(y, self.srq_out)
         return y
-
-
-class RMSNorm(nn.Module):
-    """Gemma4RMSNorm decomposed for the HTP with 16-bit activations: x*x (no Pow), ReduceMean,
-    Add, Sqrt, Reciprocal, Mul (Reciprocal(Sqrt) is much closer to the CPU than Div)."""
-
-    def __init__(self, weight: torch.Tensor | None, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = None if weight is None else nn.Parameter(weight.detach().float().clone(), requires_grad=False)
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    index: int
-    layer_type: str
-    heads: int
-    kv_heads: int
-    head_dim: int
-    kv_owner: int  # index of the layer whose K/V this layer attends over (itself if it stores them)
-
-
-class Attention(nn.Module):
-    def __init__(self, shape: LayerShape, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, v_norm):
-        super().__init__()
-        self.shape = shape
-        self.q_proj, self.o_proj, self.q_norm = q_proj, o_proj, q_norm
-        self.owns_kv = shape.kv_owner == shape.index
-        if self.owns_kv:
-            self.k_proj, self.v_proj, self.k_norm, self.v_norm = k_proj, v_proj, k_norm, v_norm
-
-    def forward(self, h, cos, sin, mask, kv):
-        """kv: dict layer -> (keys, values) [kv, slots + rows, D]; owners add theirs."""
-        s = self.shape
-        rows = h.shape[0]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = rotate(self.q_norm(self.q_proj(h).view(rows, s.heads, s.head_dim)), cos, sin)
-        new_kv = None
-        if self.owns_kv:
-            k = self.k_proj(h).view(rows, s.kv_heads, s.head_dim)
-            # attention_k_eq_v: full layers without v_proj reuse the projected keys as values
-            v = self.v_proj(h).view(rows, s.kv_heads, s.head_dim) if self.v_proj is not None else k
-            new_k = rotate(self.k_norm(k), cos, sin).transpose(0, 1)
-            new_v = self.v_norm(v).transpose(0, 1)
-            k_ring, v_ring = kv[s.index]
-            kv[s.index] = (torch.cat([k_ring, new_k], dim=1), torch.cat([v_ring, new_v], dim=1))
-            new_kv = (new_k, new_v)
-        keys, values = kv[s.kv_owner]
-        # Grouped-query attention without repeat_kv: the query heads that share a KV head
-        # are stacked along rows (transformers' head order: kv head j serves heads j*g..j*g+g-1).
-        group = s.heads // s.kv_heads
-        q = q.transpose(0, 1).reshape(s.kv_heads, group * rows, s.head_dim)
-        scores = torch.matmul(q, keys.transpose(1, 2))  # Gemma 4 attention scaling is 1.0
-        scores = scores.view(s.kv_heads, group, rows, -1) + mask
-        weights = torch.softmax(scores, dim=-1).view(s.kv_heads, group * rows, -1)
-        out = torch.matmul(weights, values).view(s.heads, rows, s.head_dim).transpose(0, 1)
-        return self.o_proj(out.reshape(rows, s.heads * s.head_dim)), new_kv
-
-
-class MLP(nn.Module):
-    def __init__(self, gate_proj, up_proj, down_proj):
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-
-    def forward(self, x):
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, attn, mlp, norms: dict[str, RMSNorm], layer_scalar: torch.Tensor,
-                 per_layer_gate=None, per_layer_projection=None):
-        super().__init__()
-        self.attn, self.mlp = attn, mlp
-        self.input_norm = norms["input_layernorm"]
-        self.post_attn_norm = norms["post_attention_layernorm"]
-        self.pre_ffn_norm = norms["pre_feedforward_layernorm"]
-        self.post_ffn_norm = norms["post_feedforward_layernorm"]
-        self.per_layer_gate, self.per_layer_projection = per_layer_gate, per_layer_projection
-        self.post_per_layer_norm = norms.get("post_per_layer_input_norm")
-        self.register_buffer("layer_scalar", layer_scalar.detach().float().reshape(1).clone())
-
-    def forward(self, h, per_layer_input, cos, sin, mask, kv):
-        attn_out, new_kv = self.attn(self.input_norm(h), cos, sin, mask, kv)
-        h = h + self.post_attn_norm(attn_out)
-        h = h + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(h)))
-        if self.per_layer_gate is not None:
-            gated = gelu_tanh(self.per_layer_gate(h)) * per_layer_input
-            h = h + self.post_per_layer_norm(self.per_layer_projection(gated))
-        return h * self.layer_scalar, new_kv
 
 
 class SlicedTopK(nn.Module):

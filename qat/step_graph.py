@@ -4,8 +4,9 @@ The step reads the head's weights (HF names) and runs one query against a ring o
 K/V rows per source layer. HTP rules it follows (platform notes): rotary as host cos/sin
 rows, RMSNorm as x * Reciprocal(Sqrt(mean(x*x) + eps)) (no Pow), GELU written with Tanh,
 additive masks with a small negative, LogSoftmax straight after the output MatMul (no scalar
-Mul before it; the assistant has no softcap; a centroid-masked head puts its Where between), TopK over slices narrower than 65,536 with the
-slice offset added afterwards (HTP returns larger indices modulo 65,536).
+Mul before it; the assistant has no softcap; a centroid-masked head puts its Where between),
+TopK over slices narrower than 65,536 with the slice offset added afterwards (HTP returns larger
+indices modulo 65,536).
 
 `quantize_graph` turns the float export into the shipped graph: every weight becomes an INT4
 initializer with a per-channel DequantizeLinear (opset 21), and the float inputs get uint16
@@ -24,7 +25,7 @@ from hyco import npu_ops
 from hyco.host import SHORT
 from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import centroid_mask, gelu_tanh, rms_norm, rotate, sliced_topk
+from hyco.npu_ops import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, centroid_mask, sliced_topk
 
 TOPK_SLICE = npu_ops.TOPK_SLICE  # a module name, so a test can narrow it
 OPSET = 21
@@ -42,15 +43,32 @@ def linear_names(num_layers: int, centroids: bool = False) -> list[str]:
 
 
 def param_name(module: str) -> str:
-    """ONNX initializer name of a linear's [in, out] weight."""
-    return "w__" + module.replace(".", "__")
+    """ONNX initializer name of a linear's [in, out] weight in MtpStep (HF module name in):
+    the step stacks npu_ops' DecoderLayer, whose attention is `attn`."""
+    return module.replace("model.layers.", "layers.").replace(".self_attn.", ".attn.").replace(
+        "masked_embedding.centroids", "centroids") + ".weight"
+
+
+class MatMulWeight(nn.Module):
+    """x @ W with W [in, out] float: per-channel scales run along axis 1 when quantize_graph
+    swaps W for INT4 behind a DequantizeLinear."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float().t().contiguous())
+
+    def forward(self, x):
+        return x @ self.weight
 
 
 class MtpStep(nn.Module):
     """One drafting step over fixed-shape inputs (see `io_spec`); weights from `weights`
     (HF module name -> [out, in] float) and the HF head for norms, shapes and types.
-    A centroid-masked head also needs `cluster_of` (each output row's centroid, qat/mtp.py
-    `clusters_of`); its row is masked by hyco/npu_ops.py `centroid_mask` before the LogSoftmax."""
+
+    The head's layers are npu_ops' static DecoderLayer, the one convert's SLM graphs stack: each
+    attends over the verifier's ring of its layer type, as a KV-shared SLM layer attends over its
+    owner's (q_proj only). A centroid-masked head also needs `cluster_of` (each output row's
+    centroid, qat/mtp.py `clusters_of`); its row is masked by `centroid_mask` before the LogSoftmax."""
 
     def __init__(self, head: nn.Module, weights: dict[str, torch.Tensor], topk: int,
                  cluster_of: torch.Tensor | None = None):
@@ -59,60 +77,54 @@ class MtpStep(nn.Module):
 
         text = head.config.get_text_config()
         self.layer_types = list(text.layer_types)
-        self.heads = text.num_attention_heads
-        self.eps = text.rms_norm_eps
         self.topk = topk
-        self.groups = [layer.self_attn.num_key_value_groups for layer in head.model.layers]
-        self.head_dims = [layer.self_attn.head_dim for layer in head.model.layers]
+        eps = text.rms_norm_eps
+        params = {n: p.detach() for n, p in head.named_parameters()}
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(params[name], eps)
+
+        layers = []
+        for i, (layer_type, hf) in enumerate(zip(self.layer_types, head.model.layers, strict=True)):
+            p = f"model.layers.{i}"
+            attn = hf.self_attn
+            shape = LayerShape(i, layer_type, text.num_attention_heads,
+                               text.num_attention_heads // attn.num_key_value_groups, attn.head_dim, kv_owner=layer_type)
+            layers.append(DecoderLayer(
+                Attention(shape, MatMulWeight(weights[f"{p}.self_attn.q_proj"]), None, None,
+                          MatMulWeight(weights[f"{p}.self_attn.o_proj"]), norm(f"{p}.self_attn.q_norm.weight"), None, None),
+                MLP(*(MatMulWeight(weights[f"{p}.mlp.{n}"]) for n in ("gate_proj", "up_proj", "down_proj"))),
+                {n: norm(f"{p}.{n}.weight") for n in ("input_layernorm", "post_attention_layernorm",
+                                                      "pre_feedforward_layernorm", "post_feedforward_layernorm")},
+                hf.layer_scalar))
+        self.layers = nn.ModuleList(layers)
+        self.pre_projection = MatMulWeight(weights["pre_projection"])
+        self.post_projection = MatMulWeight(weights["post_projection"])
+        self.norm = norm("model.norm.weight")
+        self.lm_head = MatMulWeight(weights["lm_head"])
         self.centroid_top_k = head.config.centroid_intermediate_top_k if centroid_masked(head.config) else 0
         if self.centroid_top_k:
             if cluster_of is None or cluster_of.shape != (weights["lm_head"].shape[0],):
                 raise ValueError("a centroid-masked head's step needs cluster_of, one centroid per output row")
+            self.centroids = MatMulWeight(weights["masked_embedding.centroids"])
             self.register_buffer("cluster_of", cluster_of.detach().long().cpu().clone())
-        for name in linear_names(len(self.layer_types), centroids=bool(self.centroid_top_k)):
-            # [in, out]: the graph multiplies x @ W, and per-channel scales run along axis 1.
-            self.register_buffer(param_name(name), weights[name].detach().float().t().contiguous())
-        norms = {n: p.detach().float().clone() for n, p in head.named_parameters() if "norm" in n}
-        self.norm_names = {n: "n__" + n.replace(".", "__") for n in norms}
-        for n, p in norms.items():
-            self.register_buffer(self.norm_names[n], p)
-        for i, layer in enumerate(head.model.layers):
-            self.register_buffer(f"layer_scalar__{i}", layer.layer_scalar.detach().float().clone())
         self.vocab = weights["lm_head"].shape[0]
-
-    def w(self, module: str) -> torch.Tensor:
-        return getattr(self, param_name(module))
-
-    def n(self, name: str) -> torch.Tensor:
-        return getattr(self, self.norm_names[name])
 
     def forward(self, token_embed, hidden, k_full, v_full, k_sliding, v_sliding, mask_full, mask_sliding,
                 cos_full, sin_full, cos_sliding, sin_sliding):
-        kv = {"full_attention": (k_full, v_full, mask_full, cos_full, sin_full),
-              "sliding_attention": (k_sliding, v_sliding, mask_sliding, cos_sliding, sin_sliding)}
-        x = torch.cat([token_embed, hidden], dim=-1) @ self.w("pre_projection")  # [1, H]
-        for i, layer_type in enumerate(self.layer_types):
-            p = f"model.layers.{i}"
-            k, v, mask, cos, sin = kv[layer_type]
-            y = rms_norm(x, self.n(f"{p}.input_layernorm.weight"), self.eps)
-            q = (y @ self.w(f"{p}.self_attn.q_proj")).reshape(self.heads, self.head_dims[i])
-            q = rotate(rms_norm(q, self.n(f"{p}.self_attn.q_norm.weight"), self.eps), cos, sin)
-            # grouped-query attention: query heads [kv_heads, groups, d] against K [kv_heads, W, d]
-            q = q.reshape(k.shape[0], self.groups[i], self.head_dims[i])
-            scores = q @ k.transpose(1, 2) + mask  # scaling 1.0 (q and k are normed)
-            y = (torch.softmax(scores, dim=-1) @ v).reshape(1, -1) @ self.w(f"{p}.self_attn.o_proj")
-            x = x + rms_norm(y, self.n(f"{p}.post_attention_layernorm.weight"), self.eps)
-            y = rms_norm(x, self.n(f"{p}.pre_feedforward_layernorm.weight"), self.eps)
-            y = (gelu_tanh(y @ self.w(f"{p}.mlp.gate_proj")) * (y @ self.w(f"{p}.mlp.up_proj"))) @ self.w(f"{p}.mlp.down_proj")
-            x = x + rms_norm(y, self.n(f"{p}.post_feedforward_layernorm.weight"), self.eps)
-            x = x * getattr(self, f"layer_scalar__{i}")
-        x = rms_norm(x, self.n("model.norm.weight"), self.eps)
-        logits = x @ self.w("lm_head")  # [1, V']
+        kv = {"full_attention": (k_full, v_full), "sliding_attention": (k_sliding, v_sliding)}
+        rows = {"full_attention": (cos_full, sin_full, mask_full), "sliding_attention": (cos_sliding, sin_sliding, mask_sliding)}
+        x = self.pre_projection(torch.cat([token_embed, hidden], dim=-1))  # [1, H]
+        for layer_type, layer in zip(self.layer_types, self.layers, strict=True):
+            cos, sin, mask = rows[layer_type]
+            x, _ = layer(x, None, cos, sin, mask, kv)
+        x = self.norm(x)
+        logits = self.lm_head(x)  # [1, V']
         if self.centroid_top_k:
-            logits = centroid_mask(logits, x @ self.w("masked_embedding.centroids"), self.cluster_of, self.centroid_top_k)
+            logits = centroid_mask(logits, self.centroids(x), self.cluster_of, self.centroid_top_k)
         logprobs = torch.log_softmax(logits, dim=-1)
         top_lp, top_ids = sliced_topk(logprobs, self.topk, TOPK_SLICE)
-        return top_lp, top_ids, x @ self.w("post_projection")
+        return top_lp, top_ids, self.post_projection(x)
 
 
 # --- the fixed-shape interface -------------------------------------------------------------

@@ -264,8 +264,9 @@ def test_int4_initializers_equal_head_w4(qat_run):
     head = load_file(str(out / "head_w4.safetensors"))
     model = onnx.load(str(out / "mtp_step.onnx"))
     inits = {t.name: t for t in model.graph.initializer}
-    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.startswith("dq__w__")]
-    assert len(dq) == len([k for k in head if k.endswith(".weight_scale")])
+    weights = {step_graph.param_name(k[:-len(".weight_scale")]) for k in head if k.endswith(".weight_scale")}
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.output[0].endswith(".weight")]
+    assert sorted(n.output[0] for n in dq) == sorted(weights)  # every INT4 weight, and nothing else, behind one DQ
     for name in [k[:-len(".weight_scale")] for k in head if k.endswith(".weight_scale")]:
         p = step_graph.param_name(name)
         assert inits[f"{p}__q"].data_type == onnx.TensorProto.INT4
