@@ -17,20 +17,17 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from hyco.qat import step_graph
 from hyco.qat.mtp import TeacherForcedHead, check_output_layer, clusters_of, dense_rows, teacher_forced_inputs
-from hyco.qat.step_graph import MtpStep, export_float, io_spec, linear_names, rope_tables
+from hyco.qat.step_graph import MtpStep, io_spec, linear_names
 from hyco.qat.tiny_models import SLIDING_WINDOW, VOCAB, tiny_assistant, tiny_verifier
 
 from hyco.cli import main
 from hyco.errors import HycoError
 from hyco.handoff import handoff_states
 from hyco.npu_ops import CENTROID_GAP, centroid_mask
-from hyco.ort import ort_session
-from hyco.runtime.mtp import head_step, scored_logits, step_feeds
+from hyco.runtime.mtp import scored_logits
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ordered import ordered_assistant  # noqa: E402
@@ -102,50 +99,23 @@ def test_centroid_mask_equals_transformers_masked_head(tiny, keep_step, peak):
         assert torch.allclose(torch.log_softmax(host, -1)[scored], expect, atol=1e-5)
 
 
-def test_float_step_graph_matches_the_masked_head(tiny, tmp_path, monkeypatch):
-    """The float step graph of a centroid-masked head on onnxruntime (optimisations off) vs
-    transformers' head (head_step: its own forward, unscored tokens at the graph's fill), given the
-    same ring rows: top-8 ids equal, log-probs and next hidden within 1e-4 (fp32, another summation
-    order), TopK in slices of 7 columns. The masking is live: the dense row's top-8 differs."""
+def test_the_masked_step_needs_its_clusters(tiny):
+    """The centroid layer sits just before the output layer among the step's linears, the io spec
+    records the centroids, and a step without each row's cluster is refused (the graph against
+    transformers: tests/test_qat.py test_float_step_graph_matches_transformers[centroid-masked])."""
     head, states = tiny
-    monkeypatch.setattr(step_graph, "TOPK_SLICE", 7)
     keep = torch.arange(0, VOCAB, 3)
     params = dict(head.named_parameters())
     names = linear_names(2, centroids=True)
     assert names[-2:] == ["masked_embedding.centroids", "lm_head"]
     weights = {n: params[f"{n}.weight"] for n in names[:-1]} | {"lm_head": head.lm_head.weight[keep]}
     kv_shapes = {k: (v[0].shape[0], v[0].shape[2]) for k, v in states.kv.items()}
-    spec = io_spec(head, kv_shapes, window=24, vocab=len(keep), topk=8, meta={})
-    assert spec.meta["centroids"] == {"num_centroids": 20, "top_k": 4}
+    assert io_spec(head, kv_shapes, window=24, vocab=len(keep), topk=8, meta={}).meta["centroids"] == {
+        "num_centroids": 20, "top_k": 4}
     with pytest.raises(ValueError, match="cluster_of"):
         MtpStep(head, weights, topk=8)
-    export_float(MtpStep(head, weights, topk=8, cluster_of=clusters_of(head, keep)).eval(), spec, tmp_path / "step.onnx")
-    sess = ort_session(tmp_path / "step.onnx", rewrites=False)
-    ropes = rope_tables(head)
-    dense_differs = 0
-    for t in (2, 17, 30, 38):
-        start = states.at(t)
-        feeds = step_feeds(start, start.embed.numpy(), start.hidden.numpy(), spec, ropes, -50.0)
-        lp, ids, nxt = sess.run(None, feeds)
-        lo = max(0, t + 1 - 24)  # the reference sees the same rows the ring holds
-        kv = {name: (k[:, lo:], v[:, lo:]) for name, (k, v) in start.kv.items()}
-        logits, ref_next = head_step(head, start.embed, start.hidden, kv, start.position)
-        ref_lp, ref_ids = torch.log_softmax(logits[keep], -1).topk(8)
-        assert ids[0].tolist() == ref_ids.tolist(), t
-        np.testing.assert_allclose(lp[0], ref_lp.numpy(), atol=1e-4)
-        np.testing.assert_allclose(nxt[0], ref_next.numpy(), atol=1e-4)
-        dense_differs += int(set(ids[0].tolist()) != set(_dense_topk(head, start, kv, keep)))
-    assert dense_differs > 0
-
-
-def _dense_topk(head, start, kv, keep, k: int = 8) -> list[int]:
-    """The plain lm_head's top-k over the keep set at the same step (the head with the flag off)."""
-    head.config.use_ordered_embeddings = False
-    try:
-        logits, _ = head_step(head, start.embed, start.hidden, kv, start.position)
-    finally:
-        head.config.use_ordered_embeddings = True
-    return torch.log_softmax(logits[keep], -1).topk(k).indices.tolist()
+    with pytest.raises(ValueError, match="cluster_of"):
+        MtpStep(head, weights, topk=8, cluster_of=clusters_of(head, keep)[:-1])
 
 
 def test_teacher_forced_head_masks_and_trains_on_the_dense_row(tiny):

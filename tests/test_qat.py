@@ -44,21 +44,30 @@ def tiny():
 # --- pieces --------------------------------------------------------------------------------
 
 
-def test_float_step_graph_matches_transformers(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("centroids", [None, (20, 4)], ids=["plain", "centroid-masked"])
+def test_float_step_graph_matches_transformers(tiny, tmp_path, monkeypatch, centroids):
     """The float step graph on onnxruntime (optimisations off) equals Gemma4AssistantForCausalLM
     given the same ring rows: tolerance 1e-4 (fp32, a different summation order; seen ~2e-6).
     The ring (24 slots) is shorter than the context at the later positions, and TopK runs in
-    slices of 7 columns here to exercise the slice-and-merge path."""
-    verifier, head, states = tiny
+    slices of 7 columns here to exercise the slice-and-merge path. For a centroid-masked head
+    (20 centroids of 15 tokens, top 4) transformers' head is head_step's reference: its own forward,
+    the unscored tokens at the graph's fill; the masking is live (the dense row's top-8 differs)."""
+    from hyco.qat.mtp import clusters_of
+
+    verifier, _, states = tiny
+    head = tiny_assistant() if centroids is None else tiny_assistant(centroids=centroids)
     monkeypatch.setattr(step_graph, "TOPK_SLICE", 7)
     keep = torch.arange(0, VOCAB, 3)
     params = dict(head.named_parameters())
-    weights = {n: params[f"{n}.weight"] for n in linear_names(2)[:-1]} | {"lm_head": head.lm_head.weight[keep]}
+    names = linear_names(2, centroids=centroids is not None)
+    weights = {n: params[f"{n}.weight"] for n in names[:-1]} | {"lm_head": head.lm_head.weight[keep]}
     kv_shapes = {k: (v[0].shape[0], v[0].shape[2]) for k, v in states.kv.items()}
     spec = io_spec(head, kv_shapes, window=24, vocab=len(keep), topk=8, meta={})
-    export_float(MtpStep(head, weights, topk=8).eval(), spec, tmp_path / "step.onnx")
+    cluster_of = None if centroids is None else clusters_of(head, keep)
+    export_float(MtpStep(head, weights, topk=8, cluster_of=cluster_of).eval(), spec, tmp_path / "step.onnx")
     sess = _ort(tmp_path / "step.onnx")
     ropes = rope_tables(head)
+    dense_differs = 0
     for t in (2, 17, 30, 38):
         start = states.at(t)
         feeds = step_feeds(start, start.embed.numpy(), start.hidden.numpy(), spec, ropes, -50.0)
@@ -70,6 +79,12 @@ def test_float_step_graph_matches_transformers(tiny, tmp_path, monkeypatch):
         assert ids[0].tolist() == ref_ids.tolist(), t
         np.testing.assert_allclose(lp[0], ref_lp.numpy(), atol=1e-4)
         np.testing.assert_allclose(nxt[0], ref_next.numpy(), atol=1e-4)
+        if centroids is not None:
+            head.config.use_ordered_embeddings = False  # the same head's dense row
+            dense, _ = head_step(head, start.embed, start.hidden, kv, start.position)
+            head.config.use_ordered_embeddings = True
+            dense_differs += int(set(ids[0].tolist()) != set(dense[keep].topk(8).indices.tolist()))
+    assert centroids is None or dense_differs > 0
 
 
 def test_captures_roundtrip_and_bad_shards(tiny, tmp_path):
