@@ -277,16 +277,14 @@ SLM_POLICY = (
 )
 
 
-def qat_input_grids(known: PolicyInputs) -> tuple[dict, dict]:
-    return {name: uint16_override(*grid) for name, grid in known.grids.items()}, {}
-
-
-# The MTP step graph's inputs carry qat's QDQ, taken off by `prepare_mtp` (its grids: `grids`).
+# The MTP step graph's inputs carry qat's QDQ, taken off by `prepare_mtp` (its grids: `grids`). Their
+# moved copies take the same grid: the step stacks the SLM's decoder layer, which moves cos / sin
+# through an Unsqueeze and the rings through a Transpose, where the quantizer quantizes instead.
 MTP_POLICY = (
-    GridRule("every input of the step graph (qat's input QDQ)", "uint16 at the grid qat trained the head on (the "
-             "p99.99 range of its captures; rope [-1, 1])",
+    GridRule("every input of the step graph (qat's input QDQ), and their moved copies", "uint16 at the grid qat "
+             "trained the head on (the p99.99 range of its captures; rope [-1, 1])",
              "the W4 head learned its weights against inputs on these grids; a calibrated range would move the codes",
-             qat_input_grids),
+             known_range_grids),
     GridRule("attention masks (Role.MASK)", "uint16, 0 and mask_negative exactly on the grid (`mask_qparams`)",
              "calibrate may choose another mask value than qat's; masked and visible scores must land on their own "
              "codes", mask_grids),
