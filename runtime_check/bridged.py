@@ -42,7 +42,7 @@ from hyco.answers import eos_ids_of, text_stats
 from hyco.console import progress
 from hyco.errors import HycoError
 from hyco.recipe import CheckConfig, to_dict
-from hyco.runtime.bridge import TokenBridge, end_of_turn_ids
+from hyco.runtime.bridge import TokenBridge, model_end_of_turn_ids
 from hyco.runtime.configs import DecodeConfig
 from hyco.runtime.decode import DecodeLog, decode_bridged, verifier_alone
 from hyco.runtime.inputs import load_model, load_prompt_texts
@@ -86,18 +86,6 @@ def _check_tokenizer(tok, tokenizer: Path, model: Path, vocab: int, what: str) -
     if len(tok) > vocab:
         raise HycoError(f"{tokenizer}: a tokenizer of {len(tok)} tokens, but {model}/config.json ({what}) has a "
                         f"vocabulary of {vocab}: not this model's tokenizer")
-
-
-def slm_eos(slm: Path, tok) -> set[int]:
-    """The SLM's end-of-turn ids: its generation_config.json's, else its tokenizer's
-    (`bridge.end_of_turn_ids`)."""
-    from transformers import GenerationConfig
-
-    if (Path(slm) / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(slm).eos_token_id
-        if eos is not None:
-            return set(eos) if isinstance(eos, list) else {eos}
-    return end_of_turn_ids(tok)
 
 
 def decode_bridged_all(verifier_prompts: list[list[int]], slm_prompts: list[list[int]], cfg: DecodeConfig,
@@ -199,7 +187,7 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
     eos = set(eos_ids_of(verifier_model))
     if not eos:
         raise HycoError(f"{verifier}/generation_config.json: no eos_token_id (the verifier's end of turn)")
-    bridge = TokenBridge(slm_tok, verifier_tok, slm_eos=slm_eos(slm, slm_tok), verifier_eos=eos_ids_of(verifier_model)[0])
+    bridge = TokenBridge(slm_tok, verifier_tok, slm_eos=model_end_of_turn_ids(slm, slm_tok), verifier_eos=eos_ids_of(verifier_model)[0])
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
     count = prompts or config.prompts
     runs = prompt_runs(config, count, verifier_model, verifier_tok, slm_tok, sampling, eos, vocab_dir=vocab_dir,

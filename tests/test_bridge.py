@@ -361,3 +361,21 @@ def test_the_phones_slm_graphs_draft_through_the_bridge(ladder, tiny_family, tin
     drafted = [f for f in log.bridge if not f.unfinished]
     assert drafted and all(f.slm_nodes > 0 and f.verifier_nodes > 0 for f in drafted)
     assert any(f.rollback for f in log.bridge) and drafter.slm.cached <= len(slm_prompt) + log.slm_tokens
+
+
+def test_a_models_end_of_turn_ids_come_from_its_generation_config_else_its_tokenizer(tiny_family, tiny_tok, tmp_path):
+    """model_end_of_turn_ids, which the answers stage and check's bridge both read the SLM's from:
+    generation_config.json's eos_token_id (a list or one id), else the tokenizer's EOS and the
+    token its chat template writes after an answer."""
+    import json
+    import shutil
+
+    from hyco.runtime.bridge import end_of_turn_ids, model_end_of_turn_ids
+
+    listed = json.loads((tiny_family["slm"] / "generation_config.json").read_text())["eos_token_id"]
+    assert model_end_of_turn_ids(tiny_family["slm"], tiny_tok) == set(listed)
+    one = shutil.copytree(tiny_family["slm"], tmp_path / "one", ignore=shutil.ignore_patterns("*.safetensors"))
+    (one / "generation_config.json").write_text(json.dumps({"eos_token_id": 106}))
+    assert model_end_of_turn_ids(one, tiny_tok) == {106}
+    (one / "generation_config.json").unlink()
+    assert model_end_of_turn_ids(one, tiny_tok) == end_of_turn_ids(tiny_tok) == {1, tiny_tok.convert_tokens_to_ids("<turn|>")}

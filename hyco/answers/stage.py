@@ -54,12 +54,13 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
         model = load_verifier(verifier, placement or PlacementConfig())
     bridge = {}
     if verifier_tokenizer is not None:
-        slm_config = Path(slm or "") / "generation_config.json"
-        if slm is None or not slm_config.is_file():
-            raise HycoError(f"{slm_config}: not found (the SLM's end-of-turn ids, for answers in its tokens)")
-        eos = GenerationConfig.from_pretrained(slm).eos_token_id
+        from hyco.runtime.bridge import model_end_of_turn_ids
+
+        if slm is None:
+            raise HycoError("models.slm must name a folder: answers for a verifier of another family are written in "
+                            "the SLM's tokens, ended at its end-of-turn ids")
         bridge = {"verifier_tokenizer": load_tokenizer(Path(verifier_tokenizer)),
-                  "slm_eos": eos if isinstance(eos, list) else [eos] if eos is not None else []}
+                  "slm_eos": sorted(model_end_of_turn_ids(slm, tok))}
     lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
     mine = my_positions(len(prompts))
     records = generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,

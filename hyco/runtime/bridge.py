@@ -43,6 +43,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hyco.errors import HycoError
 from hyco.runtime.tree import DraftTree
@@ -110,6 +111,19 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     markup = markup_ids(tokenizer)
     last = next((t for t in reversed(list(ids)) if t in markup), None)
     return {t for t in (tokenizer.eos_token_id, last) if t is not None}
+
+
+def model_end_of_turn_ids(folder: Path, tokenizer) -> set[int]:
+    """A model's end-of-turn ids: its generation_config.json's eos_token_id, else its tokenizer's
+    (`end_of_turn_ids`). The SLM's, where the answers stage writes a verifier's answers in the
+    SLM's tokens and where check drafts through the bridge."""
+    from transformers import GenerationConfig
+
+    if (Path(folder) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {eos}
+    return end_of_turn_ids(tokenizer)
 
 
 @dataclass
