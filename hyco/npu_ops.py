@@ -67,6 +67,12 @@ def sliced_topk(x: torch.Tensor, k: int, slice_width: int = TOPK_SLICE) -> tuple
 CENTROID_GAP = 50.0
 
 
+def centroid_masked(config) -> bool:
+    """Whether a gemma4_assistant head's output layer is the centroid-masked one
+    (`use_ordered_embeddings`, E2B/E4B's assistants) instead of the plain lm_head."""
+    return bool(getattr(config, "use_ordered_embeddings", False))
+
+
 def centroid_mask(logits: torch.Tensor, centroid_logits: torch.Tensor, cluster_of: torch.Tensor, top_k: int,
                   gap: float = CENTROID_GAP) -> torch.Tensor:
     """Tokens (the last axis of `logits`) whose cluster (`cluster_of`, int64 per token) is among

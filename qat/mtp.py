@@ -19,13 +19,7 @@ from torch import nn
 
 from hyco.errors import HycoError
 from hyco.handoff import attention_masks
-from hyco.npu_ops import centroid_mask
-
-
-def centroid_masked(config) -> bool:
-    """Whether the head's output layer is gemma4_assistant's centroid-masked one
-    (`use_ordered_embeddings`, E2B/E4B's assistants) instead of the plain lm_head."""
-    return bool(getattr(config, "use_ordered_embeddings", False))
+from hyco.npu_ops import centroid_mask, centroid_masked
 
 
 def check_output_layer(config, where: str | None = None) -> None:

@@ -25,7 +25,16 @@ from hyco import npu_ops
 from hyco.host import SHORT
 from hyco.int4 import pack_int4
 from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import MLP, Attention, DecoderLayer, LayerShape, RMSNorm, centroid_mask, sliced_topk
+from hyco.npu_ops import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    LayerShape,
+    RMSNorm,
+    centroid_mask,
+    centroid_masked,
+    sliced_topk,
+)
 
 TOPK_SLICE = npu_ops.TOPK_SLICE  # a module name, so a test can narrow it
 OPSET = 21
@@ -73,8 +82,6 @@ class MtpStep(nn.Module):
     def __init__(self, head: nn.Module, weights: dict[str, torch.Tensor], topk: int,
                  cluster_of: torch.Tensor | None = None):
         super().__init__()
-        from hyco.qat.mtp import centroid_masked
-
         text = head.config.get_text_config()
         self.layer_types = list(text.layer_types)
         self.topk = topk
@@ -157,7 +164,7 @@ def io_spec(head: nn.Module, kv_shapes: dict[str, tuple[int, int]], window: int,
         TensorSpec("topk_ids", (1, topk), "int64", "keep indices (keep_to_vocab.npy maps to vocab ids)"),
         TensorSpec("next_hidden", (1, hb), f32, "the head's projected state: `hidden` of the next step"),
     )
-    if getattr(head.config, "use_ordered_embeddings", False):  # informative: the graph holds its clusters
+    if centroid_masked(head.config):  # informative: the graph holds its clusters
         meta = {**meta, "centroids": {"num_centroids": head.config.num_centroids,
                                       "top_k": head.config.centroid_intermediate_top_k}}
     return GraphSpec("mtp_step.onnx", inputs, outputs, {

@@ -12,7 +12,7 @@ from torch import nn
 from hyco.handoff import StepInput, attention_masks
 from hyco.host import SHORT, Rope
 from hyco.io_spec import GraphSpec
-from hyco.npu_ops import CENTROID_GAP
+from hyco.npu_ops import CENTROID_GAP, centroid_masked
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def scored_logits(head: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     `centroid_mask`); so does this, recognising the fill as the row's minimum, below every scored
     logit. In BF16 the fill can round onto the scored minimum, which then goes too: the least
     likely scored token, with no bearing on a top-k."""
-    if not getattr(head.config, "use_ordered_embeddings", False):
+    if not centroid_masked(head.config):
         return logits
     return logits.masked_fill(logits == logits.min(), float(logits.max()) - CENTROID_GAP)
 
