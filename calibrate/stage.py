@@ -249,8 +249,9 @@ def uint16_override(scale: float, zero: int) -> list[dict]:
 def mask_grids(known: PolicyInputs) -> tuple[dict, dict]:
     from hyco.calibrate.quantize import mask_qparams
 
-    grid = mask_qparams(known.negative)
-    return {i.name: uint16_override(*grid) for i in known.graph.graph.input if role_of(i.name) is Role.MASK}, {}
+    grid = mask_qparams(known.negative)  # on the moved copies too: an earlier rule may have put them on another grid
+    return {t: uint16_override(*grid) for i in known.graph.graph.input if role_of(i.name) is Role.MASK
+            for t in moved_copies(known.graph.graph, i.name)}, {}
 
 
 def known_range_grids(known: PolicyInputs) -> tuple[dict, dict]:

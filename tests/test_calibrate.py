@@ -263,10 +263,12 @@ def test_mtp_pass_strips_input_qdq_with_ranges(tiny_calibrated, tmp_path):
 
 
 def test_mtp_policy_keeps_qats_grids_and_puts_the_mask_on_calibrates(tiny_calibrated):
-    """The step graph's policy table: every input keeps the grid qat trained the head on, except
-    the masks, whose grid follows calibrate's mask value; the report lists both graphs' rules."""
+    """The step graph's policy table: every input, and every tensor that only moves an input's values
+    (cos / sin through the shared layer's Unsqueeze, the rings through its Transpose), keeps the grid
+    qat trained the head on, except the masks, whose grid follows calibrate's mask value; the report
+    lists both graphs' rules."""
     from hyco.calibrate.quantize import mask_qparams
-    from hyco.calibrate.stage import MTP_POLICY, PolicyInputs, apply_policy
+    from hyco.calibrate.stage import MTP_POLICY, PolicyInputs, apply_policy, moved_copies
 
     from hyco.io_spec import Role, role_of
 
@@ -274,9 +276,11 @@ def test_mtp_policy_keeps_qats_grids_and_puts_the_mask_on_calibrates(tiny_calibr
     prepared, grids = prepare.prepare_mtp(onnx.load(str(qat / "mtp_step.onnx")))
     negative = -123.0  # not qat's mask value: the masks must move, nothing else
     overrides, _ = apply_policy(MTP_POLICY, PolicyInputs(prepared, [], [], None, negative, grids))
-    assert set(overrides) == set(grids) and any(role_of(n) is Role.MASK for n in grids)
+    source = {t: name for name in grids for t in moved_copies(prepared.graph, name)}
+    assert set(overrides) == set(source) > set(grids) and any(role_of(n) is Role.MASK for n in grids)
+    assert {"cos_full", "k_full"} <= {source[t] for t in set(source) - set(grids)}  # moved copies were pinned
     for name, (grid,) in overrides.items():
-        want = mask_qparams(negative) if role_of(name) is Role.MASK else grids[name]
+        want = mask_qparams(negative) if role_of(source[name]) is Role.MASK else grids[source[name]]
         assert (float(grid["scale"]), int(grid["zero_point"])) == (np.float32(want[0]), want[1]), name
     report = json.loads((tiny_calibrated / "calibrate" / "report.json").read_text())
     assert [r["graphs"] for r in report["policy"]] == ["tree, prefill"] * 3 + ["mtp_step"] * 2 + ["every graph"] * 6
