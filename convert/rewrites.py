@@ -11,22 +11,12 @@
 from __future__ import annotations
 
 import torch
-from hyco.convert.static_model import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    IntLinear,
-    LayerShape,
-    PerLayerInputs,
-    RingShape,
-    RMSNorm,
-    SoftcapHead,
-    StaticGemma,
-)
+from hyco.convert.static_model import IntLinear, PerLayerInputs, RingShape, SoftcapHead, StaticGemma
 from torch import nn
 
 from hyco.console import progress
 from hyco.errors import HycoError
+from hyco.npu_ops import MLP, Attention, DecoderLayer, LayerShape, RMSNorm
 
 
 def unpacked_ints(module) -> torch.Tensor:

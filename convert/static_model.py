@@ -25,9 +25,7 @@ from torch import nn
 
 from hyco.host import SHORT
 from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import MLP, TOPK_SLICE, Attention, DecoderLayer, LayerShape, RMSNorm, sliced_topk
-
-__all__ = ["MLP", "Attention", "DecoderLayer", "LayerShape", "RMSNorm"]  # the shared layer, re-exported for rewrites.py
+from hyco.npu_ops import TOPK_SLICE, DecoderLayer, RMSNorm, sliced_topk
 
 # --- ops with an explicit ONNX form ---------------------------------------------------------
 
