@@ -138,7 +138,8 @@ def measure_costs(all_logs: dict[str, list[DecodeLog]], configs: list[DecodeConf
     dtype = str(next(verifier_model.parameters()).dtype)
     # the row counts the configurations pad to: the chain's K + 1, the tree budget's + 1, and between
     rows = tuple(sorted({1, check.chain_depth + 1, 9, 17, check.budget + 1}))
-    grid = Grid(rows=rows, contexts=tuple(t.sweep_contexts), prefill=tuple(t.sweep_prefill), repeats=t.sweep_repeats)
+    grid = Grid(rows=rows, contexts=tuple(t.sweep_contexts), prefill=tuple(t.sweep_prefill), repeats=t.sweep_repeats,
+                cuda_graphs=t.cuda_graphs)
     server = server_times(verifier_model, head, grid, vocab=vocab, model_dirs=model_dirs, dtype=dtype)
     rows = 1
     if bundle_dir is not None and (Path(bundle_dir) / "io_spec.json").is_file():

@@ -1,11 +1,14 @@
 """The server's side of the timing model, measured on whatever runs the verifier.
 
 A sweep times the verifier's tree pass T_verify(rows, context) at the row counts the
-configurations pad to (`row_buckets`) and at several context lengths, the server-side MTP head's
-step T_head, and the prompt prefill T_prefill(length), each as the check runs them
-(`CachedTreeModel.forward_tree`, `MtpChainTorch.propose`, `ReferenceVerifier.prefill`). On CUDA:
-CUDA events around each call after warm-up, medians; on a CPU: wall time, and every figure made
-from it is labelled "CPU, not a server GPU". A sweep is cached under HYCO_CACHE (default
+configurations pad to (check.py: 1, K + 1, 9, 17, budget + 1) and at several context lengths, the server-side MTP head's
+step T_head (`MtpChainTorch.propose`, as check runs it), and the prompt prefill T_prefill(length).
+Verify and prefill run on transformers' StaticCache (`StaticVerifyPass`, `prefill_static`), as a
+serving stack's cache holds keys: fixed shapes, a sliding layer attending over its window only (the
+check's own DynamicCache keeps every key so it can roll back, and would time a sliding layer over
+the whole context), and on CUDA one captured CUDA graph per verify shape, replayed, as the paper's
+server runs its fixed row counts. On CUDA: CUDA events around each call after warm-up, medians; on a CPU: wall time, and
+every figure made from it is labelled "CPU, not a server GPU". A sweep is cached under HYCO_CACHE (default
 ~/.cache/hyco-convert) by the verifier's and head's files, the device, the dtype, the library
 versions and the grid, so a second check on the same server reads it back.
 
@@ -41,6 +44,7 @@ class Grid:
     head_steps: int = 4  # K: one chain's steps, timed together and divided
     repeats: int = 5
     warmup: int = 2
+    cuda_graphs: bool = True  # on CUDA, replay each verify shape as one captured graph
 
 
 @dataclass
@@ -48,7 +52,7 @@ class ServerTimes:
     """Milliseconds. verify[(rows, context)], prefill[length], head_step; with where they came from."""
 
     device: str
-    source: str  # "CUDA events" or CPU_LABEL
+    source: str  # CUDA events (with CUDA graphs, or eager and why) or CPU_LABEL
     verify: dict[tuple[int, int], float]
     prefill: dict[int, float]
     head_step: float | None
@@ -127,7 +131,10 @@ class Stopwatch:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def time(self, fn) -> float:
+    def time(self, fn, before=None) -> float:
+        """`before` runs first, outside the timed span (a replay's reset)."""
+        if before is not None:
+            before()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -140,43 +147,132 @@ class Stopwatch:
         return 1e3 * (time.perf_counter() - start)
 
 
-def _median(watch: Stopwatch, fn, grid: Grid, spread: dict, key: str) -> float:
+def _median(watch: Stopwatch, fn, grid: Grid, spread: dict, key: str, before=None) -> float:
     for _ in range(grid.warmup):
-        fn()
-    times = sorted(watch.time(fn) for _ in range(grid.repeats))
+        watch.time(fn, before)
+    times = sorted(watch.time(fn, before) for _ in range(grid.repeats))
     median = statistics.median(times)
     lo, hi = times[int(0.1 * (len(times) - 1))], times[int(round(0.9 * (len(times) - 1)))]
     spread[key] = round((hi - lo) / median, 4) if median > 0 else 0.0
     return median
 
 
-def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0) -> ServerTimes:
-    """Run the sweep on the verifier's own device (and the head's, when there is one)."""
+def prefill_static(model, cache, ids: list[int], chunk: int = 512) -> None:
+    """Commit `ids` to a StaticCache in chunks of `chunk` rows, keeping only the last row's logits
+    (a 32K prompt's full logits would be 34 GB at Gemma's vocabulary)."""
+    from hyco.handoff import input_device
+
+    device = input_device(model)
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            model(input_ids=torch.tensor([piece], device=device), cache=cache, use_cache=True,
+                  position_ids=torch.arange(start, start + len(piece), device=device)[None], logits_to_keep=1)
+
+
+class StaticVerifyPass:
+    """One verifier pass of len(rows) rows after a context, on transformers' StaticCache: the
+    fixed-shape pass a server captures as a CUDA graph. Full layers attend over the context and
+    the rows, sliding layers over their window, as a serving stack's cache does; the check's own
+    DynamicCache keeps every key for rollback, which would time sliding layers over the whole
+    context. The rows run as a chain under transformers' causal mask: a tree's mask has the same
+    shape, so the same cost. `reset()` puts the cache back as the context left it (the lengths,
+    and the keys a full sliding window shifted), so every `run()` repeats the same pass."""
+
+    def __init__(self, model, context_ids: list[int], rows: list[int], chunk: int = 512):
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        from hyco.handoff import input_device
+
+        self.model = model.eval()
+        device = input_device(model)
+        context = len(context_ids)
+        self.cache = StaticCache(config=model.config, max_cache_len=context + len(rows))
+        prefill_static(model, self.cache, context_ids, chunk)
+        self.inputs = {"input_ids": torch.tensor([rows], device=device),
+                       "position_ids": torch.arange(context, context + len(rows), device=device)[None]}
+        self.saved = []
+        for layer in self.cache.layers:
+            if not (isinstance(layer, StaticLayer) and layer.is_initialized):  # a KV-shared layer reads its owner's
+                continue
+            length = getattr(layer, "cumulative_length_int", None)
+            shifts = length is not None and length + len(rows) > layer.max_cache_len
+            kv = (layer.keys.clone(), layer.values.clone()) if shifts else None
+            self.saved.append((layer, layer.cumulative_length.clone(), length, kv))
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        for layer, length, length_int, kv in self.saved:
+            layer.cumulative_length.copy_(length)
+            if length_int is not None:
+                layer.cumulative_length_int = length_int
+            if kv is not None:
+                layer.keys.copy_(kv[0])
+                layer.values.copy_(kv[1])
+
+    def run(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(**self.inputs, cache=self.cache, use_cache=True).logits
+
+
+def captured(static: StaticVerifyPass):
+    """static.run as one CUDA graph: warmed up on a side stream (kernels chosen, allocator
+    settled), captured once. Returns the replay and the logits buffer every replay writes."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            static.reset()
+            static.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    static.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = static.run()
+    return graph.replay, output
+
+
+def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0, graphs_failed: str | None = None) -> ServerTimes:
+    """Run the sweep on the verifier's own device (and the head's, when there is one). Where a
+    verify shape cannot be captured as a CUDA graph (a model with host syncs, a device map over
+    several GPUs), the whole verify sweep is timed eager instead, and the source says why."""
+    from transformers import StaticCache
+
     from hyco.runtime.drafters import MtpChainTorch
-    from hyco.runtime.tree_pass import CachedTreeModel
     from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
     device = next(verifier_model.parameters()).device
+    graphs = device.type == "cuda" and grid.cuda_graphs and graphs_failed is None
     watch = Stopwatch(device)
     g = torch.Generator().manual_seed(seed)
     tokens = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     spread: dict[str, float] = {}
     verify, prefill = {}, {}
-    with torch.inference_mode():
-        for context in grid.contexts:
-            runner = CachedTreeModel(verifier_model)
-            runner.prefill(tokens(context))
-            for rows in grid.rows:
-                tree, parents = tokens(rows), [-1] + [(i - 1) // 2 for i in range(1, rows)]  # a binary tree
+    for context in grid.contexts:
+        context_ids = tokens(context)
+        for rows in grid.rows:
+            static = StaticVerifyPass(verifier_model, context_ids, tokens(rows))
+            run = static.run
+            if graphs:
+                try:
+                    run, _ = captured(static)
+                except RuntimeError as error:
+                    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    del static
+                    torch.cuda.synchronize()
+                    return measure(verifier_model, head, grid, vocab=vocab, seed=seed, graphs_failed=why)
+            verify[(rows, context)] = _median(watch, run, grid, spread, f"verify {rows}x{context}", before=static.reset)
+            del static, run
+    for length in grid.prefill:
+        prompt, holder = tokens(length), {}
 
-                def one_pass(tree=tree, parents=parents, runner=runner):
-                    runner.forward_tree(tree, parents)
-                    runner.commit([])
-                verify[(rows, context)] = _median(watch, one_pass, grid, spread, f"verify {rows}x{context}")
-        for length in grid.prefill:
-            prompt = tokens(length)
-            prefill[length] = _median(watch, lambda prompt=prompt: CachedTreeModel(verifier_model).prefill(prompt),
-                                      grid, spread, f"prefill {length}")
+        def fresh_cache(holder=holder, n=length):  # outside the timed span; its buffers are zeroed on
+            holder["cache"] = StaticCache(config=verifier_model.config, max_cache_len=n)  # first use: a memset
+
+        prefill[length] = _median(watch, lambda prompt=prompt, holder=holder: prefill_static(verifier_model, holder["cache"], prompt),
+                                  grid, spread, f"prefill {length}", before=fresh_cache)
+    with torch.inference_mode():
         head_step = None
         if head is not None:
             verifier = ReferenceVerifier(verifier_model, Sampling(), window=None)
@@ -184,7 +280,12 @@ def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0) -> S
             chain.receive(verifier.prefill(tokens(grid.contexts[-1]), g).handoff)
             steps = grid.head_steps
             head_step = _median(watch, lambda: chain.propose(steps, topk=2), grid, spread, "head chain") / steps
-    source = "CUDA events" if device.type == "cuda" else CPU_LABEL
+    if device.type != "cuda":
+        source = CPU_LABEL
+    elif graphs:
+        source = "CUDA events; verify replayed as CUDA graphs"
+    else:
+        source = "CUDA events; verify eager" + (f" (CUDA graph capture failed: {graphs_failed})" if graphs_failed else "")
     return ServerTimes(device_name(device), source, verify, prefill, head_step, spread)
 
 

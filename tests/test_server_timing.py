@@ -1,0 +1,136 @@
+"""The server sweep's verify pass (issue 39): transformers' StaticCache at fixed shapes, the
+callable a CUDA graph captures. On the CPU: it computes the verifier's own pass (against the
+check's DynamicCache tree pass), it repeats exactly after `reset()`, and it reads nothing back to
+the host (what breaks a CUDA graph capture). On CUDA: the replayed graph gives the eager pass."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hyco.runtime.inputs import load_model
+from hyco.runtime.server_timing import StaticVerifyPass
+from hyco.runtime.tree_pass import CachedTreeModel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runtime_models import tiny_gemma4  # noqa: E402
+
+# ops that copy a device value to the host or size their output by the data: each forbidden while
+# a CUDA stream is capturing
+HOST_SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
+
+
+class HostSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in HOST_SYNC:
+            self.seen.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_family):
+    """The tiny verifier (Gemma 4 MoE, sliding window 64, sdpa), and a Gemma 4 of another shape:
+    KV-shared layers, per-layer inputs, eager attention, window 32; both fp32."""
+    return {"verifier": load_model(tiny_family["verifier"], "verifier"),
+            "kv-shared": tiny_gemma4(1, kv_shared=True, sliding_window=32)}
+
+
+def _tokens(model, n: int, seed: int) -> list[int]:
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# contexts below the window, filling it on this pass, and beyond it (a sliding layer shifts its keys)
+@pytest.mark.parametrize("name", ["verifier", "kv-shared"])
+@pytest.mark.parametrize("context,rows", [(16, 5), (60, 9), (100, 17), (200, 33), (40, 1)])
+def test_the_static_pass_is_the_verifiers_own_pass_and_repeats(models, name, context, rows):
+    """Tolerance 1e-4 on fp32 logits of magnitude ~8 (~1e-5 relative). While the context fits
+    the window both caches hold the same keys and the logits agree exactly (measured 0.0); past it
+    a sliding layer's static buffer holds its window only, so attention reduces over fewer (masked)
+    keys in another order: fp32 rounding, measured up to 2.4e-5."""
+    model = models[name]
+    context_ids, row_ids = _tokens(model, context, 1), _tokens(model, rows, 2)
+    reference = CachedTreeModel(model)
+    reference.prefill(context_ids)
+    want = reference.forward_tree(row_ids, [-1] + list(range(rows - 1))).logits
+    static = StaticVerifyPass(model, context_ids, row_ids, chunk=48)  # a chunked prefill, as at 32K
+    outs = []
+    for _ in range(3):
+        static.reset()
+        outs.append(static.run()[0].float())
+    torch.testing.assert_close(outs[0], want, atol=1e-4, rtol=0)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_without_reset_a_full_window_pass_drifts(models):
+    """Why reset restores the keys: past the window, a pass shifts the sliding layers' keys, so a
+    second pass without reset computes something else."""
+    model = models["verifier"]
+    static = StaticVerifyPass(model, _tokens(model, 100, 1), _tokens(model, 9, 2))
+    assert any(kv is not None for *_, kv in static.saved)
+    static.reset()
+    first = static.run().clone()
+    for layer, length, length_int, _ in static.saved:  # the lengths back, the keys left shifted
+        layer.cumulative_length.copy_(length)
+        layer.cumulative_length_int = length_int
+    assert not torch.equal(static.run(), first)
+
+
+@pytest.mark.parametrize("context,rows", [(16, 5), (100, 17), (40, 1)])
+def test_the_static_pass_reads_nothing_back_to_the_host(models, context, rows):
+    model = models["verifier"]
+    static = StaticVerifyPass(model, _tokens(model, context, 1), _tokens(model, rows, 2))
+    static.reset()
+    with HostSyncs() as watch:
+        static.run()
+    assert not watch.seen
+    static.reset()
+    with HostSyncs() as control:  # the watch sees a host read where there is one
+        static.run().sum().item()
+    assert control.seen == {"aten._local_scalar_dense.default"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a CUDA graph needs one to capture")
+def test_the_replayed_graph_is_the_eager_pass(tiny_family):
+    from hyco.runtime.server_timing import captured
+
+    model = load_model(tiny_family["verifier"], "verifier").to("cuda")
+    static = StaticVerifyPass(model, _tokens(model, 100, 1), _tokens(model, 17, 2))
+    static.reset()
+    want = static.run().clone()
+    replay, output = captured(static)
+    outs = []
+    for _ in range(3):
+        static.reset()
+        replay()
+        torch.cuda.synchronize()
+        outs.append(output.clone())
+    assert all(torch.equal(out, want) for out in outs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a CUDA graph needs one to capture")
+@pytest.mark.parametrize("plant_host_read", [False, True])
+def test_the_cuda_sweep_replays_graphs_or_says_why_not(tiny_family, plant_host_read):
+    """The sweep on CUDA: every verify shape captured and replayed; a model that reads a value back
+    to the host during its pass (planted here) cannot be captured, and the sweep times it eager and
+    says why."""
+    from hyco.runtime.server_timing import Grid, measure
+
+    model = load_model(tiny_family["verifier"], "verifier").to("cuda")
+    if plant_host_read:
+        model.get_decoder().norm.register_forward_hook(lambda module, args, out: out.sum().item())
+    grid = Grid(rows=(1, 5, 33), contexts=(16, 100), prefill=(16, 64), repeats=3, warmup=1)
+    times = measure(model, None, grid, vocab=model.config.get_text_config().vocab_size)
+    assert all(ms > 0 for ms in [*times.verify.values(), *times.prefill.values()])
+    if plant_host_read:
+        assert times.source.startswith("CUDA events; verify eager (CUDA graph capture failed:")
+    else:
+        assert times.source == "CUDA events; verify replayed as CUDA graphs"
