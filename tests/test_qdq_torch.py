@@ -8,6 +8,9 @@ last bits."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -16,6 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from hyco.errors import HycoError
 from hyco.qdq_torch import OPS, TorchGraph, fake_quantize, quantize, torch_device
+
+sys.path.insert(0, str(Path(__file__).parent))
+from host_syncs import HostCopies  # noqa: E402
 
 
 def ort_run(path, feeds, names):
@@ -261,3 +267,45 @@ def test_check_runs_deployed_graphs_by_torch_on_a_gpu_and_by_onnxruntime_without
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert deployed_executor(CheckConfig()) == ("torch", "cuda")
     assert deployed_executor(CheckConfig(deployed_executor="onnxruntime")) == ("cpu", "cpu")
+
+
+@pytest.mark.parametrize("graph", ["tree", "prefill", "mtp_step"])
+def test_a_deployed_pass_could_be_captured(tiny_calibrated, graph):
+    """What the executor records into a CUDA graph on a GPU (`cuda_graph=True`): a pass of the
+    ladder's deployed QDQ graph with its weights and feeds on the meta device and its shapes, axes
+    and k on the CPU, as the executor binds them (tests/host_syncs.py): nothing reads a device
+    value back to the host, nothing is copied onto the device."""
+    from hyco.io_spec import GRAPHS, read_io_spec
+
+    folder = tiny_calibrated / "calibrate"
+    spec = read_io_spec(folder / "io_spec.json")[GRAPHS[graph]]
+    executor = TorchGraph(folder / f"{graph}.qdq.onnx")
+    executor.consts = {name: value.to("meta") for name, value in executor.consts.items()}
+    feeds = {name: value.to("meta") for name, value in
+             executor._feeds({t.name: spec.input(t.name).zeros() for t in spec.inputs}).items()}
+    with torch.no_grad(), HostCopies() as watch:
+        env = executor._forward(feeds)
+    assert not watch.seen
+    assert all(env[n].device.type == "meta" and tuple(env[n].shape) == spec.output(n).shape for n in executor.outputs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the executor's CUDA path needs one")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_the_block_graph_on_cuda_equals_onnxruntime(tmp_path, cuda_graph):
+    """The executor on CUDA, eager and replayed as a CUDA graph (three passes: capture, then
+    replays with new feeds), against onnxruntime CPU. Floats to 1e-5 (ten times the CPU's
+    bound: a GPU's fp32 reductions run in another order); the top-k ids exact; a uint8 KV code may differ by one where a GPU's summation order moves a value
+    across a rounding boundary, at no more than 1 in 1,000 codes."""
+    rng = np.random.default_rng(0)
+    path = block_graph(tmp_path / "block.onnx", rng)
+    names = ["topk_logprobs", "topk_indices", "kv_codes", "topk_logits"]
+    executor = TorchGraph(path, device="cuda", cuda_graph=cuda_graph)
+    for _ in range(3):
+        feeds = block_feeds(rng)
+        want = ort_run(path, feeds, names)
+        got = executor.run(names, feeds)
+        np.testing.assert_array_equal(got[1], want[1])
+        codes = np.abs(got[2].astype(int) - want[2].astype(int))
+        assert codes.max() <= 1 and (codes > 0).mean() <= 1e-3
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert (executor.cuda_graph is not None) == cuda_graph
