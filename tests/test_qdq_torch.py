@@ -122,7 +122,8 @@ def block_graph(path, rng, rows=7, width=24, vocab=40):
          helper.make_tensor_value_info("topk_indices", TensorProto.INT64, [rows, 5]),
          helper.make_tensor_value_info("kv_codes", TensorProto.UINT8, [rows, width]),
          helper.make_tensor_value_info("topk_logits", TensorProto.FLOAT, [rows, 5])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    # IR 10, as the pipeline's graphs: an older onnxruntime (1.30 on the GPU image) reads it too
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(path))
     return path
