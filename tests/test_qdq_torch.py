@@ -21,7 +21,7 @@ from hyco.errors import HycoError
 from hyco.qdq_torch import OPS, TorchGraph, fake_quantize, quantize, torch_device
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_syncs import HostCopies  # noqa: E402
+from capture_check import HostCopies  # noqa: E402
 
 
 def ort_run(path, feeds, names):
@@ -274,7 +274,7 @@ def test_check_runs_deployed_graphs_by_torch_on_a_gpu_and_by_onnxruntime_without
 def test_a_deployed_pass_could_be_captured(tiny_calibrated, graph):
     """What the executor records into a CUDA graph on a GPU (`cuda_graph=True`): a pass of the
     ladder's deployed QDQ graph with its weights and feeds on the meta device and its shapes, axes
-    and k on the CPU, as the executor binds them (tests/host_syncs.py): nothing reads a device
+    and k on the CPU, as the executor binds them (tests/capture_check.py): nothing reads a device
     value back to the host, nothing is copied onto the device."""
     from hyco.io_spec import GRAPHS, read_io_spec
 

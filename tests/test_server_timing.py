@@ -16,7 +16,7 @@ from hyco.runtime.server_timing import StaticVerifyPass
 from hyco.runtime.tree_pass import CachedTreeModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_syncs import HostCopies  # noqa: E402
+from capture_check import HostCopies  # noqa: E402
 from runtime_models import tiny_gemma4  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def test_without_reset_a_full_window_pass_drifts(models):
 
 @pytest.mark.parametrize("context,rows", [(16, 5), (100, 17), (40, 1)])
 def test_the_static_pass_could_be_captured(tiny_family, monkeypatch, context, rows):
-    """The pass in BF16 (as on a GPU) on the meta device (tests/host_syncs.py): prefill, MoE
+    """The pass in BF16 (as on a GPU) on the meta device (tests/capture_check.py): prefill, MoE
     routing and transformers' masks included, nothing reads a device value back to the host and
     the timed pass copies nothing onto the device. Controls: a planted `.item()` raises there, and
     the watch sees a planted copy."""
