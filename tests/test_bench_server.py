@@ -35,10 +35,10 @@ def test_a_shallow_stand_in_has_both_layer_kinds():
 
 def test_the_summary_shows_the_sweep_and_the_rounds():
     report = {"model": "26b-a4b", "layers": 30, "whole_depth": 30, "dtype": "bfloat16", "parameters": 25.2e9,
-              "machine": {"device": "cuda:0 H200", "torch": "2.11"}, "source": "CUDA events; verify replayed as CUDA graphs",
+              "machine": {"device": "cuda:0 H200", "torch": "2.11"}, "source": "CUDA events, CUDA graphs replayed",
               "build_s": 3.0, "sweep_s": 60.0, "verify_ms": [[1, 64, 10.0], [1, 1024, 11.0], [33, 64, 12.0], [33, 1024, 14.5]],
               "prefill_ms": [[128, 20.0], [1024, 90.0]], "prefill_line": [10.0, 0.078], "round_ms_at_context": 1024,
               "rounds": {"hyco (33 rows)": {"this_machine_ms": 14.5, "paper_implied_ms": 22.6}}}
     text = bench_server.summary(report)
     assert "| 33 | 12.000 | 14.500 |" in text and "| hyco (33 rows) | 14.5 | 22.6 |" in text
-    assert "CUDA events; verify replayed as CUDA graphs" in text
+    assert "CUDA events, CUDA graphs replayed" in text

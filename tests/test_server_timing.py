@@ -5,6 +5,7 @@ the host (what breaks a CUDA graph capture). On CUDA: the replayed graph gives t
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from hyco.runtime.inputs import load_model
-from hyco.runtime.server_timing import StaticVerifyPass
+from hyco.runtime.server_timing import StaticHeadChain, StaticVerifyPass
 from hyco.runtime.tree_pass import CachedTreeModel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -91,6 +92,85 @@ def test_the_static_pass_could_be_captured(tiny_family, monkeypatch, context, ro
     assert len(control.seen) == 1
 
 
+def _handoff(verifier, context: int):
+    """What the server's head starts from after the prompt: the whole prefix's K/V, e(root), h."""
+    from hyco.runtime.drafters import HandoffWindow
+    from hyco.runtime.verifier import ReferenceVerifier, Sampling
+
+    window = HandoffWindow(window=None, quantize_wire=False)
+    with torch.inference_mode():
+        window.receive(ReferenceVerifier(verifier, Sampling(), window=None).prefill(_tokens(verifier, context, 3), None).handoff)
+    return window.step_input()
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tiny_family, tmp_path_factory):
+    """The tiny assistant, and a centroid-masked copy of it (tests/ordered.py: 16 random clusters,
+    top 4)."""
+    from ordered import ordered_assistant
+
+    masked = ordered_assistant(tiny_family["assistant"], tmp_path_factory.mktemp("masked") / "assistant",
+                               num_centroids=16, top_k=4, fitted=False)
+    return {"plain": tiny_family["assistant"], "masked": masked}
+
+
+@pytest.fixture(scope="module")
+def heads(head_dirs):
+    return {kind: load_model(folder, "assistant") for kind, folder in head_dirs.items()}
+
+
+@pytest.mark.parametrize("kind", ["plain", "masked"])
+@pytest.mark.parametrize("context", [20, 100])
+def test_the_head_chain_drafts_the_checks_greedy_chain(models, heads, kind, context):
+    """The server's K head steps on the device give the tokens of check's own chain (`draft_chain`,
+    the host's reference), a plain head and a centroid-masked one, before and past the window."""
+    from hyco.handoff import embed_tokens
+    from hyco.runtime.mtp import draft_chain
+
+    verifier, head = models["verifier"], heads[kind]
+    start = _handoff(verifier, context)
+    want = draft_chain(head, lambda ids: embed_tokens(verifier, ids), start, 4, topk=2).tokens
+    got = StaticHeadChain(head, verifier, start, 4).run()
+    assert got.tolist() == want.tolist() and len(set(want.tolist())) > 1
+
+
+@pytest.mark.parametrize("kind", ["plain", "masked"])
+def test_the_head_chain_could_be_captured(tiny_family, models, head_dirs, kind):
+    """The head's K steps in BF16 on the meta device, from a hand-off placed there: nothing read
+    back to the host, nothing copied onto the device (tests/capture_check.py). Two reads there are
+    in transformers' own step: a padding mask (check's head_step passes ones; transformers asks
+    whether to skip it) and a masked head's fill (`.item()`): the chain passes no mask and fills on
+    the device (`masked_logits`)."""
+    from hyco.handoff import StepInput
+
+    start = _handoff(models["verifier"], 40)
+    meta = lambda x: x.to("meta", torch.bfloat16)  # noqa: E731
+    start = StepInput(meta(start.embed), meta(start.hidden), {t: (meta(k), meta(v)) for t, (k, v) in start.kv.items()},
+                      start.position)
+    verifier = load_model(tiny_family["verifier"], "verifier").to("meta", torch.bfloat16)
+    head = load_model(head_dirs[kind], "assistant").to("meta", torch.bfloat16)
+    chain = StaticHeadChain(head, verifier, start, 4)
+    with HostCopies() as watch:
+        tokens = chain.run()
+    assert tokens.device.type == "meta" and tokens.shape == (4,) and not watch.seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fill_on_the_device_is_transformers_masked_logits(heads, dtype):
+    """`masked_logits` against transformers' own embedder, bit for bit, on hidden states of two
+    scales (the fill is the batch's scored minimum - 1, rounded once to the dtype either way)."""
+    from hyco.runtime.server_timing import masked_logits
+
+    head = heads["masked"]
+    embedder, weight = copy.deepcopy(head.masked_embedding).to(dtype), head.lm_head.weight.to(dtype)
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 12.0):
+        hidden = (scale * torch.randn(2, 3, embedder.hidden_size, generator=g)).to(dtype)
+        with torch.no_grad():
+            want, got = embedder(hidden, weight), masked_logits(embedder, hidden, weight)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a CUDA graph needs one to capture")
 def test_the_replayed_graph_is_the_eager_pass(tiny_family):
     from hyco.runtime.server_timing import captured
@@ -110,20 +190,37 @@ def test_the_replayed_graph_is_the_eager_pass(tiny_family):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a CUDA graph needs one to capture")
+@pytest.mark.parametrize("kind", ["plain", "masked"])
+def test_the_replayed_head_chain_is_the_eager_chain(tiny_family, head_dirs, kind):
+    from hyco.runtime.server_timing import captured
+
+    verifier = load_model(tiny_family["verifier"], "verifier").to("cuda")
+    head = load_model(head_dirs[kind], "assistant").to("cuda")
+    chain = StaticHeadChain(head, verifier, _handoff(verifier, 100), 4)
+    want = chain.run().clone()
+    replay, output = captured(chain)
+    for _ in range(3):
+        replay()
+        torch.cuda.synchronize()
+        assert torch.equal(output, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a CUDA graph needs one to capture")
 @pytest.mark.parametrize("plant_host_read", [False, True])
 def test_the_cuda_sweep_replays_graphs_or_says_why_not(tiny_family, plant_host_read):
-    """The sweep on CUDA: every verify shape captured and replayed; a model that reads a value back
-    to the host during its pass (planted here) cannot be captured, and the sweep times it eager and
-    says why."""
+    """The sweep on CUDA: every verify shape and the head's chain captured and replayed; a model
+    that reads a value back to the host during its pass (planted here) cannot be captured, and the
+    sweep times it eager and says why."""
     from hyco.runtime.server_timing import Grid, measure
 
     model = load_model(tiny_family["verifier"], "verifier").to("cuda")
+    head = load_model(tiny_family["assistant"], "assistant").to("cuda")
     if plant_host_read:
         model.get_decoder().norm.register_forward_hook(lambda module, args, out: out.sum().item())
     grid = Grid(rows=(1, 5, 33), contexts=(16, 100), prefill=(16, 64), repeats=3, warmup=1)
-    times = measure(model, None, grid, vocab=model.config.get_text_config().vocab_size)
-    assert all(ms > 0 for ms in [*times.verify.values(), *times.prefill.values()])
+    times = measure(model, head, grid, vocab=model.config.get_text_config().vocab_size)
+    assert all(ms > 0 for ms in [*times.verify.values(), *times.prefill.values(), times.head_step])
     if plant_host_read:
-        assert times.source.startswith("CUDA events; verify eager (CUDA graph capture failed:")
+        assert times.source.startswith("CUDA events, eager (CUDA graph capture failed:")
     else:
-        assert times.source == "CUDA events; verify replayed as CUDA graphs"
+        assert times.source == "CUDA events, CUDA graphs replayed"

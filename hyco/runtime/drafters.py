@@ -48,6 +48,10 @@ class HandoffWindow:
         self.last = handoff
         return count
 
+    def step_input(self) -> StepInput:
+        """What the next drafting burst starts from."""
+        return StepInput(self.last.embed, self.last.hidden, self.kv, self.last.position)
+
 
 class MtpChainTorch(HandoffWindow):
     """The MTP Drafter: the gemma4_assistant head in float, driven by qat/mtp.py's chain.
@@ -64,8 +68,7 @@ class MtpChainTorch(HandoffWindow):
         self.keep_ids = keep_ids
 
     def propose(self, depth: int, topk: int) -> Draft:
-        start = StepInput(self.last.embed, self.last.hidden, self.kv, self.last.position)
-        return draft_chain(self.head, self.embed_fn, start, depth, topk=topk, keep_ids=self.keep_ids)
+        return draft_chain(self.head, self.embed_fn, self.step_input(), depth, topk=topk, keep_ids=self.keep_ids)
 
 
 class SlmTorch:

@@ -1,16 +1,17 @@
 """The server's side of the timing model, measured on whatever runs the verifier.
 
 A sweep times the verifier's tree pass T_verify(rows, context) at the row counts the
-configurations pad to (check.py: 1, K + 1, 9, 17, budget + 1) and at several context lengths, the server-side MTP head's
-step T_head (`MtpChainTorch.propose`, as check runs it), and the prompt prefill T_prefill(length).
-Verify and prefill run on transformers' StaticCache (`StaticVerifyPass`, `prefill_static`), as a
-serving stack's cache holds keys: fixed shapes, a sliding layer attending over its window only (the
-check's own DynamicCache keeps every key so it can roll back, and would time a sliding layer over
-the whole context), and on CUDA one captured CUDA graph per verify shape, replayed, as the paper's
-server runs its fixed row counts. On CUDA: CUDA events around each call after warm-up, medians; on a CPU: wall time, and
-every figure made from it is labelled "CPU, not a server GPU". A sweep is cached under HYCO_CACHE (default
-~/.cache/hyco-convert) by the verifier's and head's files, the device, the dtype, the library
-versions and the grid, so a second check on the same server reads it back.
+configurations pad to (check.py: 1, K + 1, 9, 17, budget + 1) and at several context lengths, the
+server-side MTP head's step T_head (`StaticHeadChain`: K greedy steps on the device, as a server
+runs its head), and the prompt prefill T_prefill(length). Verify and prefill run on transformers'
+StaticCache (`StaticVerifyPass`, `prefill_static`), as a serving stack's cache holds keys: fixed
+shapes, a sliding layer attending over its window only (the check's own DynamicCache keeps every
+key so it can roll back, and would time a sliding layer over the whole context). On CUDA each
+verify shape, and the head's K steps, are one captured CUDA graph, replayed, as the paper's server
+runs its fixed row counts; CUDA events around each call after warm-up, medians. On a CPU: wall
+time, and every figure made from it is labelled "CPU, not a server GPU". A sweep is cached under
+HYCO_CACHE (default ~/.cache/hyco-convert) by the verifier's and head's files, the device, the
+dtype, the library versions and the grid, so a second check on the same server reads it back.
 
 Lookups: a round's rows are padded up to the next measured bucket (the fixed row counts a server
 captures as CUDA graphs); contexts are interpolated linearly between measured lengths (and
@@ -25,13 +26,16 @@ import os
 import platform
 import statistics
 import time
+import types
 from bisect import bisect_left
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from hyco.artifacts import fingerprint, write_json
+from hyco.npu_ops import centroid_masked
 
 CPU_LABEL = "CPU, not a server GPU"
 
@@ -52,7 +56,7 @@ class ServerTimes:
     """Milliseconds. verify[(rows, context)], prefill[length], head_step; with where they came from."""
 
     device: str
-    source: str  # CUDA events (with CUDA graphs, or eager and why) or CPU_LABEL
+    source: str  # CUDA events (CUDA graphs replayed, or eager and why) or CPU_LABEL
     verify: dict[tuple[int, int], float]
     prefill: dict[int, float]
     head_step: float | None
@@ -216,9 +220,77 @@ class StaticVerifyPass:
             return self.model(**self.inputs, cache=self.cache, use_cache=True).logits
 
 
-def captured(static: StaticVerifyPass):
+class StaticHeadChain:
+    """K greedy steps of the MTP head where the server runs it (Cloud+MTP, hyco-server-head), on
+    the device alone: the hand-off's K/V placed there once, each step's argmax and the verifier's
+    scaled embedding of it feeding the next step, as `draft_chain` drafts them (its head_step,
+    transformers' call, at the burst's one position). The check's own chain copies the K/V to the
+    device at every step and returns each step's top-k to the host; a server's head reads the
+    verifier's cache where it lies. Nothing here leaves the device, so the K steps capture as one
+    CUDA graph. `reset()` has nothing to undo: no step writes a cache."""
+
+    def __init__(self, head, verifier, start, steps: int):
+        from hyco.runtime.mtp import _shared_kv
+
+        self.head, self.verifier, self.steps = head.eval(), verifier, steps
+        device, dtype = head.pre_projection.weight.device, head.pre_projection.weight.dtype
+        self.kv = _shared_kv(start.kv, device, dtype)
+        self.position = torch.tensor([[start.position]], device=device)
+        self.embed, self.hidden = start.embed.to(device, dtype), start.hidden.to(device, dtype)
+
+    def reset(self) -> None:
+        pass
+
+    def run(self) -> torch.Tensor:
+        """The K greedy tokens, on the device."""
+        embedding = self.verifier.get_input_embeddings()
+        embed, hidden, tokens = self.embed, self.hidden, []
+        with torch.inference_mode(), fill_on_device(self.head):
+            for _ in range(self.steps):
+                # no padding mask: head_step's is all ones, the same masks, and transformers reads a
+                # given one back to the host to see whether it may skip it
+                out = self.head(inputs_embeds=torch.cat([embed, hidden], -1).reshape(1, 1, -1), attention_mask=None,
+                                position_ids=self.position, shared_kv_states=self.kv, use_cache=False)
+                # the unscored tokens of a centroid-masked head sit below its best: the argmax is the scored one's
+                token = out.logits[0, -1].argmax()
+                tokens.append(token)
+                embed = embedding(token.reshape(1, 1).to(embedding.weight.device))[0, 0].to(embed.device, embed.dtype)
+                hidden = out.last_hidden_state[0, -1]
+        return torch.stack(tokens)
+
+
+def masked_logits(embedder, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """transformers' `Gemma4AssistantMaskedEmbedder.forward`, the same values, with its fill (the
+    scored minimum - 1) kept on the device: transformers reads it to the host with `.item()`, which
+    a CUDA graph cannot capture. The minimum - 1 rounds once to the logits' dtype either way."""
+    batch, seq_len = hidden_states.shape[:2]
+    _, top = torch.topk(embedder.centroids(hidden_states), k=embedder.centroid_intermediate_top_k, dim=-1)
+    canonical = embedder.token_ordering.long().view(embedder.num_centroids, embedder.vocab_size_per_centroid)[top]
+    width = embedder.centroid_intermediate_top_k * embedder.vocab_size_per_centroid
+    rows = lm_head_weight[canonical.reshape(-1)].view(batch, seq_len, width, embedder.hidden_size)
+    scored = (hidden_states.unsqueeze(-2) @ rows.transpose(-1, -2)).squeeze(-2)
+    fill = (scored.min() - 1.0).to(hidden_states.dtype)
+    output = fill.expand(batch, seq_len, embedder.vocab_size).clone()
+    return output.scatter_(dim=-1, index=canonical.view(batch, seq_len, -1), src=scored)
+
+
+@contextmanager
+def fill_on_device(head):
+    """A centroid-masked head's embedder runs `masked_logits` for the while (nothing else changes)."""
+    embedder = getattr(head, "masked_embedding", None) if centroid_masked(head.config) else None
+    if embedder is None:
+        yield
+        return
+    embedder.forward = types.MethodType(masked_logits, embedder)
+    try:
+        yield
+    finally:
+        del embedder.forward
+
+
+def captured(static: StaticVerifyPass | StaticHeadChain):
     """static.run as one CUDA graph: warmed up on a side stream (kernels chosen, allocator
-    settled), captured once. Returns the replay and the logits buffer every replay writes."""
+    settled), captured once. Returns the replay and the output buffer every replay writes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -233,17 +305,44 @@ def captured(static: StaticVerifyPass):
     return graph.replay, output
 
 
-def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0, graphs_failed: str | None = None) -> ServerTimes:
+class CaptureFailed(Exception):
+    """A pass that CUDA graph capture refused; the message says how."""
+
+
+def _runner(static: StaticVerifyPass | StaticHeadChain, graphs: bool):
+    if not graphs:
+        return static.run
+    try:
+        return captured(static)[0]
+    except RuntimeError as error:
+        torch.cuda.synchronize()
+        raise CaptureFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+
+
+def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0) -> ServerTimes:
     """Run the sweep on the verifier's own device (and the head's, when there is one). Where a
-    verify shape cannot be captured as a CUDA graph (a model with host syncs, a device map over
-    several GPUs), the whole verify sweep is timed eager instead, and the source says why."""
+    verify shape or the head's chain cannot be captured as a CUDA graph (a model with host syncs, a
+    device map over several GPUs), the whole sweep is timed eager instead, and the source says why."""
+    device = next(verifier_model.parameters()).device
+    if device.type != "cuda":
+        return _sweep(verifier_model, head, grid, vocab, seed, device, graphs=False, source=CPU_LABEL)
+    if grid.cuda_graphs:
+        try:
+            return _sweep(verifier_model, head, grid, vocab, seed, device, graphs=True,
+                          source="CUDA events, CUDA graphs replayed")
+        except CaptureFailed as why:
+            return _sweep(verifier_model, head, grid, vocab, seed, device, graphs=False,
+                          source=f"CUDA events, eager (CUDA graph capture failed: {why})")
+    return _sweep(verifier_model, head, grid, vocab, seed, device, graphs=False, source="CUDA events, eager")
+
+
+def _sweep(verifier_model, head, grid: Grid, vocab: int, seed: int, device: torch.device, *, graphs: bool,
+           source: str) -> ServerTimes:
     from transformers import StaticCache
 
-    from hyco.runtime.drafters import MtpChainTorch
+    from hyco.runtime.drafters import HandoffWindow
     from hyco.runtime.verifier import ReferenceVerifier, Sampling
 
-    device = next(verifier_model.parameters()).device
-    graphs = device.type == "cuda" and grid.cuda_graphs and graphs_failed is None
     watch = Stopwatch(device)
     g = torch.Generator().manual_seed(seed)
     tokens = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -253,17 +352,9 @@ def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0, grap
         context_ids = tokens(context)
         for rows in grid.rows:
             static = StaticVerifyPass(verifier_model, context_ids, tokens(rows))
-            run = static.run
-            if graphs:
-                try:
-                    run, _ = captured(static)
-                except RuntimeError as error:
-                    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                    del static
-                    torch.cuda.synchronize()
-                    return measure(verifier_model, head, grid, vocab=vocab, seed=seed, graphs_failed=why)
-            verify[(rows, context)] = _median(watch, run, grid, spread, f"verify {rows}x{context}", before=static.reset)
-            del static, run
+            verify[(rows, context)] = _median(watch, _runner(static, graphs), grid, spread, f"verify {rows}x{context}",
+                                              before=static.reset)
+            del static  # and its graph: one shape's buffers at a time
     for length in grid.prefill:
         prompt, holder = tokens(length), {}
 
@@ -272,20 +363,13 @@ def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0, grap
 
         prefill[length] = _median(watch, lambda prompt=prompt, holder=holder: prefill_static(verifier_model, holder["cache"], prompt),
                                   grid, spread, f"prefill {length}", before=fresh_cache)
-    with torch.inference_mode():
-        head_step = None
-        if head is not None:
-            verifier = ReferenceVerifier(verifier_model, Sampling(), window=None)
-            chain = MtpChainTorch(head, verifier_model, keep_ids=None, window=None, quantize_wire=False)
-            chain.receive(verifier.prefill(tokens(grid.contexts[-1]), g).handoff)
-            steps = grid.head_steps
-            head_step = _median(watch, lambda: chain.propose(steps, topk=2), grid, spread, "head chain") / steps
-    if device.type != "cuda":
-        source = CPU_LABEL
-    elif graphs:
-        source = "CUDA events; verify replayed as CUDA graphs"
-    else:
-        source = "CUDA events; verify eager" + (f" (CUDA graph capture failed: {graphs_failed})" if graphs_failed else "")
+    head_step = None
+    if head is not None:
+        window = HandoffWindow(window=None, quantize_wire=False)  # the server's head sees the whole prefix
+        with torch.inference_mode():
+            window.receive(ReferenceVerifier(verifier_model, Sampling(), window=None).prefill(tokens(grid.contexts[-1]), g).handoff)
+        chain = StaticHeadChain(head, verifier_model, window.step_input(), grid.head_steps)
+        head_step = _median(watch, _runner(chain, graphs), grid, spread, "head chain") / grid.head_steps
     return ServerTimes(device_name(device), source, verify, prefill, head_step, spread)
 
 
