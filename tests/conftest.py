@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,12 @@ import pytest
 # CI). A handler here resets to SIG_DFL in each child at exec.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# check's server sweep is cached under HYCO_CACHE (default ~/.cache/hyco-convert), keyed by the
+# models' files: a sweep an earlier session measured would let a test skip the code that measures
+# it. Each session (each xdist worker) measures into its own folder; children inherit it.
+if "HYCO_CACHE" not in os.environ:
+    os.environ["HYCO_CACHE"] = tempfile.mkdtemp(prefix="hyco-test-cache-")
 
 
 @pytest.fixture(scope="session")

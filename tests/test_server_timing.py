@@ -76,9 +76,10 @@ def test_the_static_pass_could_be_captured(tiny_family, monkeypatch, context, ro
     routing and transformers' masks included, nothing reads a device value back to the host and
     the timed pass copies nothing onto the device. Controls: a planted `.item()` raises there, and
     the watch sees a planted copy."""
-    import hyco.handoff
+    from hyco.runtime import server_timing
 
-    monkeypatch.setattr(hyco.handoff, "input_device", lambda model: torch.device("meta"))
+    # inputs go to the meta device (input_device reads a meta embedding as offloaded: the CPU)
+    monkeypatch.setattr(server_timing, "input_device", lambda model: torch.device("meta"))
     model = load_model(tiny_family["verifier"], "verifier").to("meta", torch.bfloat16)
     static = StaticVerifyPass(model, list(range(3, 3 + context)), list(range(5, 5 + rows)))
     static.reset()
@@ -135,15 +136,17 @@ def test_the_head_chain_drafts_the_checks_greedy_chain(models, heads, kind, cont
 
 
 @pytest.mark.parametrize("kind", ["plain", "masked"])
-def test_the_head_chain_could_be_captured(tiny_family, models, head_dirs, kind):
+def test_the_head_chain_could_be_captured(tiny_family, models, head_dirs, kind, monkeypatch):
     """The head's K steps in BF16 on the meta device, from a hand-off placed there: nothing read
     back to the host, nothing copied onto the device (tests/capture_check.py). Two reads there are
     in transformers' own step: a padding mask (check's head_step passes ones; transformers asks
     whether to skip it) and a masked head's fill (`.item()`): the chain passes no mask and fills on
     the device (`masked_logits`)."""
     from hyco.handoff import StepInput
+    from hyco.runtime import server_timing
 
     start = _handoff(models["verifier"], 40)
+    monkeypatch.setattr(server_timing, "input_device", lambda model: torch.device("meta"))
     meta = lambda x: x.to("meta", torch.bfloat16)  # noqa: E731
     start = StepInput(meta(start.embed), meta(start.hidden), {t: (meta(k), meta(v)) for t, (k, v) in start.kv.items()},
                       start.position)

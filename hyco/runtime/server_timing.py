@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from hyco.artifacts import fingerprint, write_json
+from hyco.handoff import input_device
 from hyco.npu_ops import centroid_masked
 
 CPU_LABEL = "CPU, not a server GPU"
@@ -164,8 +165,6 @@ def _median(watch: Stopwatch, fn, grid: Grid, spread: dict, key: str, before=Non
 def prefill_static(model, cache, ids: list[int], chunk: int = 512) -> None:
     """Commit `ids` to a StaticCache in chunks of `chunk` rows, keeping only the last row's logits
     (a 32K prompt's full logits would be 34 GB at Gemma's vocabulary)."""
-    from hyco.handoff import input_device
-
     device = input_device(model)
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
@@ -186,8 +185,6 @@ class StaticVerifyPass:
     def __init__(self, model, context_ids: list[int], rows: list[int], chunk: int = 512):
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
-
-        from hyco.handoff import input_device
 
         self.model = model.eval()
         device = input_device(model)
@@ -243,7 +240,7 @@ class StaticHeadChain:
 
     def run(self) -> torch.Tensor:
         """The K greedy tokens, on the device."""
-        embedding = self.verifier.get_input_embeddings()
+        embedding, where = self.verifier.get_input_embeddings(), input_device(self.verifier)
         embed, hidden, tokens = self.embed, self.hidden, []
         with torch.inference_mode(), fill_on_device(self.head):
             for _ in range(self.steps):
@@ -254,7 +251,8 @@ class StaticHeadChain:
                 # the unscored tokens of a centroid-masked head sit below its best: the argmax is the scored one's
                 token = out.logits[0, -1].argmax()
                 tokens.append(token)
-                embed = embedding(token.reshape(1, 1).to(embedding.weight.device))[0, 0].to(embed.device, embed.dtype)
+                # embed_tokens' call: an offloaded table's hook takes its ids where input_device says
+                embed = embedding(token.reshape(1, 1).to(where))[0, 0].to(embed.device, embed.dtype)
                 hidden = out.last_hidden_state[0, -1]
         return torch.stack(tokens)
 
