@@ -352,8 +352,8 @@ class TimingConfig:
     # infinitebench-sum
     sweep_contexts: tuple[int, ...] = (64, 256, 1024)
     sweep_prefill: tuple[int, ...] = (32, 128, 512)
-    # on CUDA, each verify shape is captured once as a CUDA graph and replayed, as the paper's
-    # server runs its fixed row counts; false times the eager pass
+    # on CUDA, each verify shape and the server head's K steps are captured once as a CUDA graph
+    # and replayed, as the paper's server runs its fixed row counts; false times them eager
     cuda_graphs: bool = True
 
     def __post_init__(self):

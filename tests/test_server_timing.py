@@ -162,7 +162,7 @@ def test_the_head_chain_could_be_captured(tiny_family, models, head_dirs, kind, 
 def test_the_fill_on_the_device_is_transformers_masked_logits(heads, dtype):
     """`masked_logits` against transformers' own embedder, bit for bit, on hidden states of two
     scales (the fill is the batch's scored minimum - 1, rounded once to the dtype either way)."""
-    from hyco.runtime.server_timing import masked_logits
+    from hyco.runtime.mtp import masked_logits
 
     head = heads["masked"]
     embedder, weight = copy.deepcopy(head.masked_embedding).to(dtype), head.lm_head.weight.to(dtype)

@@ -3,6 +3,8 @@ of one step of its graph (ring, masks and rotary rows)."""
 
 from __future__ import annotations
 
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +24,7 @@ class Draft:
     topk_logprobs: torch.Tensor  # [K, topk]
 
 
-def _shared_kv(kv: dict[str, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> dict:
+def shared_kv(kv: dict[str, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> dict:
     return {name: (k[None].to(device, dtype), v[None].to(device, dtype)) for name, (k, v) in kv.items()}
 
 
@@ -39,7 +41,7 @@ def head_step(head: nn.Module, embed: torch.Tensor, hidden: torch.Tensor,
         inputs_embeds=inputs_embeds,
         attention_mask=torch.ones(1, kv_len, dtype=torch.long, device=device),
         position_ids=torch.tensor([[position]], device=device),
-        shared_kv_states=_shared_kv(kv, device, dtype),
+        shared_kv_states=shared_kv(kv, device, dtype),
         use_cache=False,
     )
     return scored_logits(head, out.logits[0, -1].float()), out.last_hidden_state[0, -1].float()
@@ -58,6 +60,35 @@ def scored_logits(head: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     if not centroid_masked(head.config):
         return logits
     return logits.masked_fill(logits == logits.min(), float(logits.max()) - CENTROID_GAP)
+
+
+def masked_logits(embedder, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """transformers' `Gemma4AssistantMaskedEmbedder.forward`, the same values, with its fill (the
+    scored minimum - 1) kept on the device: transformers reads it to the host with `.item()`, which
+    a CUDA graph cannot capture. The minimum - 1 rounds once to the logits' dtype either way."""
+    batch, seq_len = hidden_states.shape[:2]
+    _, top = torch.topk(embedder.centroids(hidden_states), k=embedder.centroid_intermediate_top_k, dim=-1)
+    canonical = embedder.token_ordering.long().view(embedder.num_centroids, embedder.vocab_size_per_centroid)[top]
+    width = embedder.centroid_intermediate_top_k * embedder.vocab_size_per_centroid
+    rows = lm_head_weight[canonical.reshape(-1)].view(batch, seq_len, width, embedder.hidden_size)
+    scored = (hidden_states.unsqueeze(-2) @ rows.transpose(-1, -2)).squeeze(-2)
+    fill = (scored.min() - 1.0).to(hidden_states.dtype)
+    output = fill.expand(batch, seq_len, embedder.vocab_size).clone()
+    return output.scatter_(dim=-1, index=canonical.view(batch, seq_len, -1), src=scored)
+
+
+@contextmanager
+def fill_on_device(head):
+    """A centroid-masked head's embedder runs `masked_logits` for the while (nothing else changes)."""
+    embedder = getattr(head, "masked_embedding", None) if centroid_masked(head.config) else None
+    if embedder is None:
+        yield
+        return
+    embedder.forward = types.MethodType(masked_logits, embedder)
+    try:
+        yield
+    finally:
+        del embedder.forward
 
 
 @torch.no_grad()

@@ -26,9 +26,7 @@ import os
 import platform
 import statistics
 import time
-import types
 from bisect import bisect_left
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import torch
 
 from hyco.artifacts import fingerprint, write_json
 from hyco.handoff import input_device
-from hyco.npu_ops import centroid_masked
+from hyco.runtime.mtp import fill_on_device, shared_kv
 
 CPU_LABEL = "CPU, not a server GPU"
 
@@ -227,11 +225,9 @@ class StaticHeadChain:
     CUDA graph. `reset()` has nothing to undo: no step writes a cache."""
 
     def __init__(self, head, verifier, start, steps: int):
-        from hyco.runtime.mtp import _shared_kv
-
         self.head, self.verifier, self.steps = head.eval(), verifier, steps
         device, dtype = head.pre_projection.weight.device, head.pre_projection.weight.dtype
-        self.kv = _shared_kv(start.kv, device, dtype)
+        self.kv = shared_kv(start.kv, device, dtype)
         self.position = torch.tensor([[start.position]], device=device)
         self.embed, self.hidden = start.embed.to(device, dtype), start.hidden.to(device, dtype)
 
@@ -255,35 +251,6 @@ class StaticHeadChain:
                 embed = embedding(token.reshape(1, 1).to(where))[0, 0].to(embed.device, embed.dtype)
                 hidden = out.last_hidden_state[0, -1]
         return torch.stack(tokens)
-
-
-def masked_logits(embedder, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-    """transformers' `Gemma4AssistantMaskedEmbedder.forward`, the same values, with its fill (the
-    scored minimum - 1) kept on the device: transformers reads it to the host with `.item()`, which
-    a CUDA graph cannot capture. The minimum - 1 rounds once to the logits' dtype either way."""
-    batch, seq_len = hidden_states.shape[:2]
-    _, top = torch.topk(embedder.centroids(hidden_states), k=embedder.centroid_intermediate_top_k, dim=-1)
-    canonical = embedder.token_ordering.long().view(embedder.num_centroids, embedder.vocab_size_per_centroid)[top]
-    width = embedder.centroid_intermediate_top_k * embedder.vocab_size_per_centroid
-    rows = lm_head_weight[canonical.reshape(-1)].view(batch, seq_len, width, embedder.hidden_size)
-    scored = (hidden_states.unsqueeze(-2) @ rows.transpose(-1, -2)).squeeze(-2)
-    fill = (scored.min() - 1.0).to(hidden_states.dtype)
-    output = fill.expand(batch, seq_len, embedder.vocab_size).clone()
-    return output.scatter_(dim=-1, index=canonical.view(batch, seq_len, -1), src=scored)
-
-
-@contextmanager
-def fill_on_device(head):
-    """A centroid-masked head's embedder runs `masked_logits` for the while (nothing else changes)."""
-    embedder = getattr(head, "masked_embedding", None) if centroid_masked(head.config) else None
-    if embedder is None:
-        yield
-        return
-    embedder.forward = types.MethodType(masked_logits, embedder)
-    try:
-        yield
-    finally:
-        del embedder.forward
 
 
 def captured(static: StaticVerifyPass | StaticHeadChain):
