@@ -84,6 +84,9 @@ def time_graph(path: Path, spec, *, executor: str, passes: int, shared: dict) ->
         times.append(time.perf_counter() - start)
     out = {"load_s": round(load_s, 2), "median_ms": round(1e3 * statistics.median(times), 2),
            "min_ms": round(1e3 * min(times), 2), "passes": passes}
+    if executor.startswith("torch"):
+        ops = session.ops_per_pass(feeds)
+        out["aten_ops"] = sum(ops.values())  # on a GPU, kernel launches a pass
     if executor.startswith("torch:cuda"):
         out["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
@@ -123,8 +126,9 @@ def main() -> None:
         for graph, name in GRAPHS.items():
             t = time_graph(args.calibrate / name, specs[name], executor=executor, passes=args.passes, shared=shared)
             timings[f"{graph}@{executor}"] = t
+            ops = f", {t['aten_ops']:,} ATen ops a pass" if "aten_ops" in t else ""
             print(f"{graph:9s} {executor:16s}: median {t['median_ms']:9.1f} ms (min {t['min_ms']:.1f}), "
-                  f"open {t['load_s']:.1f} s", flush=True)
+                  f"open {t['load_s']:.1f} s{ops}", flush=True)
         del shared
     prefill_rows = specs[GRAPHS["prefill"]].meta["rows"]
     for executor in executors:

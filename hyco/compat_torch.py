@@ -34,3 +34,24 @@ def onnx_shape_inference_without(names: set[str]):
         yield
     finally:
         _C._jit_pass_onnx_graph_shape_type_inference = infer
+
+
+@contextlib.contextmanager
+def op_counts():
+    """A Counter of the ATen ops that run inside the block, by name, views left out (they launch
+    no kernel): on a GPU each is a kernel launch, the cost of a pass of small ops. Read through
+    torch's private dispatch-mode base class."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: Counter = Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                counts[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield counts

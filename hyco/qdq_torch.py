@@ -71,13 +71,31 @@ def quantize(x, scale, zero_point=None, *, axis=1, code_range=(0, 255)):
     return torch.clamp(q, *code_range).to(torch.int32)
 
 
-def fake_quantize(x, scale, zero_point=None, *, axis=1, code_range=(0, 255)):
-    """DequantizeLinear(QuantizeLinear(x)) in one step, the same values: the code stays a float
-    (integers up to 2^24 are exact), zero_point added and taken away again so a code 0 comes out
-    +0.0, as onnxruntime's float32(0) * scale does, never round's -0.0."""
+def grid_bounds(scale, zero_point=None, *, code_range=(0, 255)):
+    """What `fake_quantize` reads of a QuantizeLinear grid besides its scale, made once at load:
+    the code range less the zero point (Python floats for one zero point, float32 tensors on the
+    scale's device per axis) and a +0.0 there."""
+    zp = zero_point.to(torch.float64) if zero_point is not None else torch.zeros((), dtype=torch.float64,
+                                                                                 device=scale.device)
+    lower, upper = (code_range[0] - zp).to(torch.float32), (code_range[1] - zp).to(torch.float32)
+    if zp.numel() == 1:
+        lower, upper = lower.item(), upper.item()
+    return lower, upper, torch.zeros((), device=scale.device)
+
+
+def fake_quantize(x, scale, lower, upper, zero, *, axis=1, addcmul: bool | None = None):
+    """DequantizeLinear(QuantizeLinear(x)) in one step, the same values as the two ops: the code
+    stays a float (integers up to 2^24 are exact), clamped to the range less the zero point
+    (clamp(q, lo - zp, hi - zp) = clamp(q + zp, lo, hi) - zp for integers), and +0.0 is added to
+    the product so a code at the zero point comes out +0.0, as onnxruntime's float32(0) * scale
+    does, never round's -0.0 (1 / -0.0 is -inf). On a GPU a pass is its kernel launches, so the
+    product and the sum are one addcmul there (four kernels); on a CPU a vectorised multiply and
+    add are faster than addcmul's broadcast of a 0-d tensor. `addcmul`: None picks by x's device."""
     s = _along(scale, x, axis)
-    zp = _along(zero_point, x, axis).to(torch.float32) if zero_point is not None else 0.0
-    return torch.round(x / s).add_(zp).clamp_(*code_range).sub_(zp).mul_(s)
+    if not isinstance(lower, float):
+        lower, upper = _along(lower, x, axis), _along(upper, x, axis)
+    q = torch.round(x / s).clamp_(lower, upper)
+    return torch.addcmul(zero, q, s) if (x.is_cuda if addcmul is None else addcmul) else q.mul_(s).add_(0.0)
 
 
 def dequantize(q, scale, zero_point=None, *, axis=1):
@@ -170,8 +188,8 @@ def _div(inputs, attrs):
 OPS: dict[str, Callable] = {
     "QuantizeLinear": lambda i, a: quantize(i[0], i[1], i[2] if len(i) > 2 else None, axis=a.get("axis", 1),
                                             code_range=a["code_range"]),
-    "FakeQuantize": lambda i, a: fake_quantize(i[0], i[1], i[2] if len(i) > 2 else None, axis=a.get("axis", 1),
-                                               code_range=a["code_range"]),  # a QuantizeLinear -> DequantizeLinear pair
+    # a QuantizeLinear -> DequantizeLinear pair on a constant grid: x, scale and the bounds from grid_bounds
+    "FakeQuantize": lambda i, a: fake_quantize(*i, axis=a.get("axis", 1)),
     "DequantizeLinear": lambda i, a: dequantize(i[0], i[1], i[2] if len(i) > 2 else None, axis=a.get("axis", 1)),
     "MatMul": lambda i, a: torch.matmul(i[0], i[1]),
     "Add": lambda i, a: i[0] + i[1],
@@ -293,16 +311,17 @@ class TorchGraph:
         for name in bound | set(self.outputs):
             if name in consts:
                 shared.setdefault(keys[name], consts[name])
-        self.steps = self._fused(self.steps)
+        self.steps = self._fused(self.steps, consts)
         read = {n for _, ins, _, _ in self.steps for n in ins if isinstance(n, str)}
         self.consts = {k: v for k, v in consts.items() if k in read or k in self.outputs}  # folded weights only
         self.last_read = {n: i for i, (_, ins, _, _) in enumerate(self.steps) for n in ins if isinstance(n, str)}
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
-        self.cuda_graph = None
+        self.cuda_graph, self.capture_failed = None, ""
 
-    def _fused(self, steps: list) -> list:
-        """Each QuantizeLinear whose codes only one DequantizeLinear reads, on the same grid, as one
-        FakeQuantize step in its place (a third fewer steps and kernels a pass, same values)."""
+    def _fused(self, steps: list, consts: dict[str, torch.Tensor]) -> list:
+        """Each QuantizeLinear whose codes only one DequantizeLinear reads, on the same constant
+        grid, as one FakeQuantize step in its place (a third fewer steps a pass, same values); the
+        grid's bounds join `consts`."""
         readers: dict[str, list[int]] = {}
         for i, (_, ins, _, _) in enumerate(steps):
             for n in ins:
@@ -316,9 +335,16 @@ class TorchGraph:
             pair = readers.get(codes, [])
             if op is OPS["QuantizeLinear"] and len(pair) == 1 and codes not in self.outputs:
                 _, dq_ins, dq_outs, dq_attrs = steps[pair[0]]
+                grid = [n for n in ins[1:] if n is not None]
                 if (steps[pair[0]][0] is OPS["DequantizeLinear"] and dq_ins[1:] == ins[1:]
-                        and dq_attrs.get("axis", 1) == attrs.get("axis", 1)):
-                    fused.append((OPS["FakeQuantize"], ins, dq_outs, attrs))
+                        and dq_attrs.get("axis", 1) == attrs.get("axis", 1) and all(n in consts for n in grid)):
+                    zero_point = consts[ins[2]] if len(ins) > 2 and ins[2] is not None else None
+                    bounds = grid_bounds(consts[ins[1]], zero_point, code_range=attrs["code_range"])
+                    names = [f"{dq_outs[0]}::lower", f"{dq_outs[0]}::upper", f"{dq_outs[0]}::zero"]
+                    consts.update((n, v) for n, v in zip(names, bounds, strict=True) if isinstance(v, torch.Tensor))
+                    fused.append((OPS["FakeQuantize"], [ins[0], ins[1], *(n if isinstance(v, torch.Tensor) else v
+                                                                          for n, v in zip(names, bounds, strict=True))],
+                                  dq_outs, attrs))
                     dropped.add(pair[0])
                     continue
             fused.append((op, ins, outs, attrs))

@@ -39,4 +39,6 @@ def test_the_bench_times_the_graphs_check_runs(tiny_calibrated, tmp_path):
     assert set(report["timings"]) == {f"{g}@{e}" for g in ("tree", "prefill", "mtp_step") for e in executors}
     assert all(t["median_ms"] > 0 and t["passes"] == 2 for t in report["timings"].values())
     assert all(report["projection"][e]["hyco"]["hours"] > 0 for e in executors)
+    ops = {g: report["timings"][f"{g}@torch:cpu"]["aten_ops"] for g in ("tree", "prefill", "mtp_step")}
+    assert ops["tree"] > ops["mtp_step"] > 100 and "ATen ops a pass" in done.stdout  # a GPU pass's kernel launches
     assert "drafter-pass hours on this machine" in done.stdout

@@ -125,3 +125,10 @@ def test_onnxruntime_patch_targets_exist_on_the_installed_release(tmp_path):
     missing = [f"{getattr(owner, '__name__', owner)}.{name}"
                for owner, name, _ in ort_patches._patches(tmp_path, True, False) if not hasattr(owner, name)]
     assert missing == []
+
+
+def test_op_counts_count_the_kernels_not_the_views():
+    x, s = torch.randn(4, 6), torch.tensor(0.5)
+    with compat_torch.op_counts() as counts:
+        y = torch.round(x.reshape(6, 4).t() / s).clamp_(-8.0, 7.0).mul_(s).add_(0.0)
+    assert dict(counts) == {"div": 1, "round": 1, "clamp_": 1, "mul_": 1, "add_": 1} and y.shape == (4, 6)

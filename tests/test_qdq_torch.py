@@ -18,7 +18,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from hyco.errors import HycoError
-from hyco.qdq_torch import OPS, TorchGraph, fake_quantize, quantize, torch_device
+from hyco.qdq_torch import OPS, TorchGraph, dequantize, fake_quantize, grid_bounds, quantize, torch_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from capture_check import HostCopies  # noqa: E402
@@ -185,11 +185,46 @@ def test_a_quantize_dequantize_pair_runs_as_one_step_with_the_same_values(tmp_pa
     ops = [op for op, *_ in graph.steps]
     assert ops.count(OPS["FakeQuantize"]) >= 10 and OPS["QuantizeLinear"] in ops  # kv_codes is a graph output
     x = torch.tensor([-0.3, -0.2, 0.2, 1.6, 2.5, 1000.0])
-    y = fake_quantize(x, torch.tensor(1.0), torch.tensor(0, dtype=torch.int32), code_range=(-128, 127))
+    one, zero = torch.tensor(1.0), torch.tensor(0, dtype=torch.int32)
+    y = fake_quantize(x, one, *grid_bounds(one, zero, code_range=(-128, 127)))
     assert y.tolist() == [0.0, 0.0, 0.0, 2.0, 2.0, 127.0] and not torch.signbit(y[:3]).any()
-    z = fake_quantize(x, torch.tensor(0.5), torch.tensor(128, dtype=torch.int32), code_range=(0, 255))
-    np.testing.assert_array_equal(z.numpy(), ((quantize(x, torch.tensor(0.5), torch.tensor(128), code_range=(0, 255))
-                                               - 128).float() * 0.5).numpy())
+
+
+GRIDS = {  # name: scale, zero point, code range, axis (per-axis grids along axis 1 of a [64, 4, 257] x)
+    "uint8": (np.float32(0.02), np.uint8(128), (0, 255), 1),
+    "int8-symmetric": (np.float32(0.013), None, (-128, 127), 1),
+    "uint16": (np.float32(3e-4), np.uint16(31000), (0, 65535), 1),
+    "int16": (np.float32(7e-5), np.int16(-5), (-32768, 32767), 1),
+    "uint8-per-axis": (np.array([0.02, 0.5, 1e-3, 3.0], np.float32), np.array([0, 17, 128, 255], np.uint8), (0, 255), 1),
+    "int8-per-last-axis": (np.linspace(1e-3, 2.0, 257).astype(np.float32), np.arange(257).astype(np.int8), (-128, 127),
+                           -1),
+}
+
+
+@pytest.mark.parametrize("addcmul", [False, True], ids=["cpu-tail", "cuda-tail"])
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_fake_quantize_equals_quantize_then_dequantize(grid, addcmul):
+    """The fused step against the two ops' formulas (each held to onnxruntime above), bit for bit
+    and sign of zero included, on values at and beside every half code, out of range both ways,
+    zeros of both signs and infinities, per tensor and per axis; with the product and +0.0 as a
+    multiply and an add (a CPU's) and as one addcmul (a GPU's, run here on the CPU)."""
+    scale, zero_point, code_range, axis = GRIDS[grid]
+    rng = np.random.default_rng(len(grid))
+    s = np.broadcast_to(scale.reshape([-1 if i == axis % 3 else 1 for i in range(3)]) if scale.ndim else scale,
+                        (64, 4, 257)).astype(np.float64)
+    codes = rng.integers(code_range[0] - 300, code_range[1] + 300, (64, 4, 257)) + rng.choice([0.0, 0.5, -0.5], (64, 4, 257))
+    x = (codes * s).astype(np.float32)
+    x = np.stack([x, np.nextafter(x, np.float32(np.inf)), np.nextafter(x, np.float32(-np.inf))]).reshape(-1, 4, 257)
+    x[0, 0, :4] = [0.0, -0.0, np.inf, -np.inf]
+    x[0, 1, :3] = [-1e-30, 1e-30, -0.49 * float(s.flat[0])]
+    x, scale_t = torch.from_numpy(x), torch.from_numpy(np.asarray(scale))
+    zp = None if zero_point is None else torch.from_numpy(np.asarray(zero_point)).to(torch.int32)
+    want = dequantize(quantize(x, scale_t, zp, axis=axis, code_range=code_range), scale_t, zp, axis=axis)
+    got = fake_quantize(x, scale_t, *grid_bounds(scale_t, zp, code_range=code_range), axis=axis, addcmul=addcmul)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    assert (got == 0).any() and got.isfinite().all()  # the zero point and the clamped infinities were met
+    low = dequantize(torch.tensor(code_range[0]), scale_t.reshape(-1)[0], None if zp is None else zp.reshape(-1)[0])
+    assert (got == low).any() or scale_t.numel() > 1  # the lower clamp was met
 
 
 def test_weights_are_folded_once_and_shared_between_graphs(tmp_path):
