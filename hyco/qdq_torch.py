@@ -376,24 +376,51 @@ class TorchGraph:
             env = self._replay(feeds) if self.use_cuda_graph else self._forward(self._feeds(feeds))
             return [self._to_numpy(n, env[n]) for n in names]
 
+    def ops_per_pass(self, feeds) -> dict[str, int]:
+        """The ATen ops one eager pass runs, by name, views left out: on a GPU, its kernel launches
+        (bench/bench_deployed.py prints their sum)."""
+        from hyco.compat_torch import op_counts
+
+        with torch.no_grad(), op_counts() as counts:
+            self._forward(self._feeds(feeds))
+        return dict(counts)
+
     def _replay(self, feeds):
         """One pass recorded into a CUDA graph on the first call (static shapes: every pass is
-        the same kernels on the same buffers), replayed with the feeds copied in."""
+        the same kernels on the same buffers), replayed with the feeds copied in. A capture that
+        CUDA refuses leaves this graph eager, the reason in `mode`, rather than stop a check."""
         staged = self._feeds(feeds)
         if self.cuda_graph is None:
-            self.static_in = {n: t.clone() for n, t in staged.items()}
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture, as torch asks
-                self._forward(dict(self.static_in))
-            torch.cuda.current_stream().wait_stream(stream)
-            self.cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.cuda_graph):
-                self.static_out = self._forward(dict(self.static_in))
+            try:
+                self._capture(staged)
+            except RuntimeError as error:
+                torch.cuda.synchronize()
+                self.cuda_graph, self.use_cuda_graph = None, False
+                self.capture_failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                return self._forward(staged)
         for n, t in staged.items():
             self.static_in[n].copy_(t)
         self.cuda_graph.replay()
         return self.static_out
+
+    def _capture(self, staged):
+        self.static_in = {n: t.clone() for n, t in staged.items()}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture, as torch asks
+            self._forward(dict(self.static_in))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.static_out = self._forward(dict(self.static_in))
+        self.cuda_graph = graph
+
+    @property
+    def mode(self) -> str:
+        """How passes run: "CUDA graph replayed", "eager", or eager with why the capture failed."""
+        if self.capture_failed:
+            return f"eager (CUDA graph capture failed: {self.capture_failed})"
+        return "CUDA graph replayed" if self.use_cuda_graph else "eager"
 
     def _to_numpy(self, name: str, value: torch.Tensor) -> np.ndarray:
         array = value.detach().cpu().numpy()

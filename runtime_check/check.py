@@ -394,6 +394,11 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     if graphs and config.drafters == "deployed":
         backend, device = deployed_executor(config)
         runner = "onnxruntime CPU" if backend == "cpu" else f"torch on {device} (hyco/qdq_torch.py)"
+        if backend == "torch":
+            from hyco.runtime.qnn_backend import bundle_sessions
+
+            modes = bundle_sessions(bundle_dir, backend=backend, isolate=False, device=device).modes()
+            runner += "".join(f", {role} {mode}" for role, mode in modes.items())
         backends.update(slm=f"{runner} on the export bundle's tree/prefill QDQ graphs (16-bit activations, "
                             "8-bit KV rings: deployed numerics)",
                         mtp=f"{runner} on the export bundle's mtp_step QDQ graph (deployed numerics)")

@@ -88,6 +88,7 @@ class TeeGraph:
 
     def __init__(self, torch_graph, ort_session, log: list):
         self.torch_graph, self.ort_session, self.log = torch_graph, ort_session, log
+        self.mode = torch_graph.mode
 
     def run(self, names, feeds):
         got, want = self.torch_graph.run(names, feeds), self.ort_session.run(names, feeds)
@@ -126,7 +127,8 @@ def test_the_torch_executor_runs_check_as_onnxruntime_does(tiny_export_distilled
     monkeypatch.setattr(qnn_backend, "_SHARED", {})
     by_ort = check_report(run_dir, tiny_family_distilled, bundle, tmp_path / "ort", ["hyco"],
                           "check.deployed_executor=onnxruntime")
-    assert "torch on cpu" in by_torch["settings"]["backends"]["slm"]
+    runner = by_torch["settings"]["backends"]["slm"]
+    assert "torch on cpu (hyco/qdq_torch.py)" in runner and all(f"{g} eager" in runner for g in ("tree", "prefill", "mtp_step"))
     assert "onnxruntime CPU" in by_ort["settings"]["backends"]["slm"]
     names = {name for name, *_ in log}
     assert {"topk_indices", "topk_ids", "next_hidden"} <= names and any(n.startswith("new_k") for n in names)

@@ -345,3 +345,47 @@ def test_the_block_graph_on_cuda_equals_onnxruntime(tmp_path, cuda_graph):
         assert codes.max() <= 1 and (codes > 0).mean() <= 1e-3
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert (executor.cuda_graph is not None) == cuda_graph
+
+
+def test_a_refused_capture_leaves_the_graph_eager_with_the_reason(tmp_path, monkeypatch):
+    """Where CUDA refuses to capture a pass (a host read in a later release's op, say), the graph
+    runs eager from then on and says why, instead of stopping a check hours in. The refusal is
+    planted here (this machine has no GPU; the CUDA test below plants a real one): the outputs
+    are the eager pass's, and no second capture is tried."""
+    rng = np.random.default_rng(0)
+    path = block_graph(tmp_path / "block.onnx", rng)
+    names, feeds = ["topk_logprobs", "topk_indices", "kv_codes"], block_feeds(rng)
+    want = TorchGraph(path).run(names, feeds)
+    graph = TorchGraph(path)
+    graph.use_cuda_graph = True  # as on CUDA
+    tries = []
+
+    def refuse(staged):
+        tries.append(staged)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+
+    monkeypatch.setattr(graph, "_capture", refuse)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert graph.mode == "CUDA graph replayed"
+    for _ in range(2):
+        for got, expected in zip(graph.run(names, feeds), want, strict=True):
+            np.testing.assert_array_equal(got, expected)
+    assert len(tries) == 1
+    assert graph.mode == ("eager (CUDA graph capture failed: RuntimeError: CUDA error: operation not permitted when "
+                          "stream is capturing)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the executor's CUDA path needs one")
+def test_a_host_read_in_a_pass_falls_back_to_eager_on_cuda(tmp_path):
+    """A step that reads a device value back (`.item()`) cannot be captured: the executor says so
+    in `mode` and its eager outputs still equal onnxruntime's (bounds as above)."""
+    rng = np.random.default_rng(0)
+    path = block_graph(tmp_path / "block.onnx", rng)
+    executor = TorchGraph(path, device="cuda", cuda_graph=True)
+    op, ins, outs, attrs = executor.steps[0]
+    executor.steps[0] = (lambda i, a: op(i, a) + 0 * float(i[0].flatten()[0].item()), ins, outs, attrs)
+    names, feeds = ["topk_logprobs", "topk_indices"], block_feeds(rng)
+    got, want = executor.run(names, feeds), ort_run(path, feeds, names)
+    assert executor.mode.startswith("eager (CUDA graph capture failed: ")
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)

@@ -188,6 +188,12 @@ class BundleSessions:
         device = torch_device(self.device)
         return TorchGraph(path, device=device, shared=self.folded, cuda_graph=device.type == "cuda")
 
+    def modes(self) -> dict[str, str]:
+        """How the torch executor ran each graph opened: replayed as a CUDA graph, or eager and why."""
+        modes = {role: getattr(parts[0].session, "mode", None) for role, parts in self.parts.items()
+                 if self.backend == "torch" and parts}
+        return {role: mode for role, mode in modes.items() if mode}
+
     def timings(self) -> dict[str, dict[str, Any]]:
         out = {}
         for role, parts in self.parts.items():
