@@ -19,7 +19,8 @@ the bundle's graphs over a check's real feeds (ids, codes, log-probs and the MAT
 
 `run(names, feeds)` is onnxruntime's session interface, so the drafters take it as they take an
 onnxruntime session. On CUDA, `cuda_graph=True` records one pass into a CUDA graph and replays it
-(the graphs' shapes are static; a pass is then a few kernel launches' worth of CPU time, not ~15k).
+(the graphs' shapes are static; a pass is then a few kernel launches' worth of CPU time, not ~15k);
+a capture CUDA refuses leaves that graph eager, and `mode` says why.
 """
 
 from __future__ import annotations
