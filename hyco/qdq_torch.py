@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hyco.cuda_graphs import capture, refusal
 from hyco.errors import HycoError
 
 CODE_DTYPES = {np.dtype(t) for t in ("uint8", "int8", "uint16", "int16", "int32")}
@@ -341,8 +342,9 @@ class TorchGraph:
                         and dq_attrs.get("axis", 1) == attrs.get("axis", 1) and all(n in consts for n in grid)):
                     zero_point = consts[ins[2]] if len(ins) > 2 and ins[2] is not None else None
                     bounds = grid_bounds(consts[ins[1]], zero_point, code_range=attrs["code_range"])
-                    names = [f"{dq_outs[0]}::lower", f"{dq_outs[0]}::upper", f"{dq_outs[0]}::zero"]
-                    consts.update((n, v) for n, v in zip(names, bounds, strict=True) if isinstance(v, torch.Tensor))
+                    names = [f"{dq_outs[0]}::lower", f"{dq_outs[0]}::upper", "fake_quantize::zero"]
+                    consts.update((n, v) for n, v in zip(names, bounds, strict=True)
+                                  if isinstance(v, torch.Tensor) and n not in consts)
                     fused.append((OPS["FakeQuantize"], [ins[0], ins[1], *(n if isinstance(v, torch.Tensor) else v
                                                                           for n, v in zip(names, bounds, strict=True))],
                                   dq_outs, attrs))
@@ -397,7 +399,7 @@ class TorchGraph:
             except RuntimeError as error:
                 torch.cuda.synchronize()
                 self.cuda_graph, self.use_cuda_graph = None, False
-                self.capture_failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                self.capture_failed = refusal(error)
                 return self._forward(staged)
         for n, t in staged.items():
             self.static_in[n].copy_(t)
@@ -406,15 +408,7 @@ class TorchGraph:
 
     def _capture(self, staged):
         self.static_in = {n: t.clone() for n, t in staged.items()}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture, as torch asks
-            self._forward(dict(self.static_in))
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.static_out = self._forward(dict(self.static_in))
-        self.cuda_graph = graph
+        self.cuda_graph, self.static_out = capture(lambda: self._forward(dict(self.static_in)))
 
     @property
     def mode(self) -> str:

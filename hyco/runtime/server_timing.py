@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from hyco.artifacts import fingerprint, write_json
+from hyco.cuda_graphs import capture, refusal
 from hyco.handoff import input_device
 from hyco.runtime.mtp import fill_on_device, shared_kv
 
@@ -254,19 +255,9 @@ class StaticHeadChain:
 
 
 def captured(static: StaticVerifyPass | StaticHeadChain):
-    """static.run as one CUDA graph: warmed up on a side stream (kernels chosen, allocator
-    settled), captured once. Returns the replay and the output buffer every replay writes."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            static.reset()
-            static.run()
-    torch.cuda.current_stream().wait_stream(stream)
-    static.reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = static.run()
+    """static.run as one CUDA graph (two warm-ups, each after a reset). Returns the replay and the
+    output buffer every replay writes."""
+    graph, output = capture(static.run, static.reset, warmups=2)
     return graph.replay, output
 
 
@@ -281,7 +272,7 @@ def _runner(static: StaticVerifyPass | StaticHeadChain, graphs: bool):
         return captured(static)[0]
     except RuntimeError as error:
         torch.cuda.synchronize()
-        raise CaptureFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+        raise CaptureFailed(refusal(error)) from error
 
 
 def measure(verifier_model, head, grid: Grid, *, vocab: int, seed: int = 0) -> ServerTimes:
