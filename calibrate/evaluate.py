@@ -379,20 +379,35 @@ def run_all(convert: Path, qat: Path | None, out: Path, inputs: dict, config, sl
 
 
 def plot_sqnr(per_graph: dict[str, dict], path: Path) -> None:
-    import matplotlib
+    from hyco.plots import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save(sqnr_figure(per_graph), path)
 
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+
+def sqnr_figure(per_graph: dict[str, dict]):
+    """Each graph's per-layer output SQNR (QDQ against float) with the fidelity floor it must clear."""
+    from hyco.plots import HIGHER, better, legend_outside, new_figure, number
+
+    fig = new_figure(8, 3.6)
+    ax = fig.subplots()
+    depth = 0
     for g, v in per_graph.items():
-        layers = list(v["sqnr_db"])
-        ax.plot(range(len(layers)), [v["sqnr_db"][k] for k in layers], marker="o", lw=1, label=g)
-    ax.set_xlabel("decoder layer")
-    ax.set_ylabel("SQNR (dB), QDQ vs float")
-    ax.set_title("per-layer output SQNR on the eval prompts")
+        layers = list(v.get("sqnr_db") or {})
+        if not layers:  # a graph measured without per-layer taps has no line to draw
+            continue
+        depth = max(depth, len(layers))
+        ax.plot(range(len(layers)), [number(v["sqnr_db"][k]) for k in layers], marker="o", lw=1, label=g)
+    floors = {f["min_sqnr_db"] for v in per_graph.values() if (f := v.get("fidelity_floor"))
+              and f.get("min_sqnr_db") is not None}
+    for floor in sorted(floors):
+        ax.axhline(floor, color="tab:red", ls="--", lw=1, label=f"fidelity floor ({floor:g} dB)")
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no per-layer SQNR measured", ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks(range(max(depth, 1)))
+    ax.set_xlabel("layer of each graph, in order")
+    ax.set_ylabel(better("output SQNR, QDQ vs float (dB)", HIGHER))
+    ax.set_title("Per-layer output SQNR on the evaluation prompts", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if ax.lines:
+        legend_outside(ax)
+    return fig

@@ -41,5 +41,5 @@ def _cmd_convert(args: argparse.Namespace, paths: dict, convert: ConvertConfig) 
     if not manifest.get("proof_failed") and s.get("parity_ties") is not None:
         print(f"parity: bit-exact up to {s['parity_ties']} rounding ties (parity.json lists each)")
     print(f"next: the check stage's SLM Drafter runs {args.out} with check.backend onnxruntime "
-          "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
+          "(hyco-convert check RECIPE --set check.backend=onnxruntime)")
     return 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from hyco import verdict
 from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
 from hyco.errors import HycoError
 from hyco.heap import release_free_heap, return_large_blocks
@@ -346,7 +347,27 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     return finish_stage("convert", out, StageEnd(
         report, lambda r: summary_md(r, parity), summary, failed,
         nondeterministic=[("summary.md", "prints this run's wall time, peak RSS and finalize times (report.json)",
-                           None)]), allow_parity_failure)
+                           None)], verdict=verdict_lines(per_graph, parity)), allow_parity_failure)
+
+
+def verdict_lines(per_graph: dict[str, dict[str, Any]], parity: dict[str, Any] | None) -> list[verdict.Line]:
+    """Bit-exactness tensor by tensor over both graphs, and the traced parity against transformers."""
+    from hyco.convert.parity import TOLERANCE
+
+    rows = [r for graph in per_graph.values() for r in graph.values()]
+    equal = sum(bool(r["ints_equal"] and r["scales_equal"]) for r in rows)
+    lines = [verdict.proof("integer weights bit-exact", equal == len(rows),
+                           f"{equal}/{len(rows)} weight tensors over {len(per_graph)} graphs",
+                           "every int and scale equal to the checkpoint's")]
+    if parity is None:
+        return [*lines, verdict.proof("parity vs transformers", None, "", off="off (convert.parity: false)")]
+    checks = parity["checks"].values()
+    worst = max(c["max_abs_diff"] for c in checks)
+    argmax = min(c["argmax_agreement"] for c in checks)
+    return [*lines, verdict.proof(
+        "parity vs transformers (onnxruntime CPU)", parity["passed"],
+        f"max |logit diff| {worst:.1e}, argmax {verdict.percent(argmax)}, {parity['ties']} rounding ties traced",
+        f"{TOLERANCE:g} with ties forced, argmax 100%")]
 
 
 def read_inputs(checkpoint: Path, config: ConvertConfig, keep_set: Path | None, tokenizer: Path | None, out: Path):
@@ -445,27 +466,53 @@ def prove(ckpt, keep_ids, graphs: dict[str, Any], config: ConvertConfig, out: Pa
 
 
 def plot_parity(parity: dict[str, Any], path: Path) -> None:
-    """Per-check max abs logit diff vs transformers per position, ties forced (log scale)."""
-    import matplotlib
+    from hyco.plots import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save(parity_figure(parity), path)
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    for name, c in parity["checks"].items():
-        if "per_position_abs_diff" in c:  # a check that stopped before comparing has none
-            ax.plot(np.maximum(np.asarray(c["per_position_abs_diff"]), 1e-9), marker=".", lw=0.8, label=name)
+
+def parity_figure(parity: dict[str, Any]):
+    """Per check, the max abs logit difference against transformers at each compared position, ties
+    forced, on a log scale with the tolerance every position must stay under."""
     from hyco.convert.parity import TOLERANCE
 
-    ax.axhline(TOLERANCE, color="k", ls="--", lw=0.8, label="tolerance")
+    from hyco.plots import LOWER, better, legend_outside, new_figure
+
+    fig = new_figure(8.5, 3.6)
+    ax = fig.subplots()
+    # a check that stopped before comparing has no differences; an unmeasured one (None) is NaN, undrawn
+    compared = {name: np.asarray(c["per_position_abs_diff"], dtype=float) for name, c in parity["checks"].items()
+                if c.get("per_position_abs_diff")}
+    for name, diffs in compared.items():
+        # an exact match (0) would vanish from a log axis: drawn at 1e-9 instead
+        ax.plot(np.maximum(diffs, 1e-9), marker=".", ms=4, lw=0.6, alpha=0.8, label=f"{name} ({len(diffs)} positions)")
+    tolerance = next((c["tolerance"] for c in parity["checks"].values() if c.get("tolerance") is not None), TOLERANCE)
+    ax.axhline(tolerance, color="tab:red", ls="--", lw=1, label=f"tolerance ({tolerance:g})")
+    measured = [float(np.nanmax(d)) for d in compared.values() if not np.isnan(d).all()]
+    worst = max(measured, default=None)
+    if worst is None:
+        ax.text(0.5, 0.3, "no check compared a position", ha="center", va="center", transform=ax.transAxes,
+                color="0.4")
+    else:
+        ax.annotate(_worst_note(worst, tolerance), (0.01, tolerance), xycoords=("axes fraction", "data"),
+                    xytext=(0, -4), textcoords="offset points", va="top", fontsize=8, color="tab:red")
     ax.set_yscale("log")
-    ax.set_xlabel("position compared")
-    ax.set_ylabel("max |logit diff|")
-    ax.set_title("graph (onnxruntime CPU) vs ring-limited transformers, ties forced")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version string: same bytes anywhere
-    plt.close(fig)
+    # the tolerance line inside the axes, not on its edge
+    ax.set_ylim(top=3 * max(tolerance, worst or 0.0))
+    ax.set_xlabel("position compared (in each check's order)")
+    ax.set_ylabel(better("max |logit difference| (log scale)", LOWER))
+    ax.set_title("ONNX graph (onnxruntime CPU) vs ring-limited transformers, ties forced", fontsize=10)
+    ax.grid(alpha=0.3, which="major")
+    legend_outside(ax)
+    return fig
+
+
+def _worst_note(worst: float, tolerance: float) -> str:
+    if worst == 0:
+        return "every position exact"
+    if worst > tolerance:
+        return f"worst position {worst:.2g}: over the tolerance"
+    return f"worst position {worst:.2g}, {tolerance / worst:.0f}x under the tolerance"
 
 
 def summary_md(report: dict[str, Any], parity: dict[str, Any] | None) -> str:

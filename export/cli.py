@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hyco.cli import stage_command
-from hyco.recipe import ExportConfig, to_dict
+from hyco.cli import at_least, stage_command
+from hyco.recipe import CheckConfig, ExportConfig, to_dict
 
 _DEFAULT = ExportConfig()
 BUNDLE_ONLY = ("convert", "qat", "vocab", "tokenizer", "verifier", "verifier_tokenizer")  # --hub uploads calibrate's graphs only
@@ -35,26 +35,33 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hub", action="store_true", help="compile and profile through qai-hub (needs a token); the same "
                    "as --backend qai-hub")
 
+    sampling = CheckConfig()  # what smoke's reference verifier samples with
     s = sub.add_parser(
         "smoke", help="hybrid drafting through a bundle's context binaries on the QNN HTP backend, vs onnxruntime CPU",
         description="Load only BUNDLE, run the SLM and MTP drafters through its context binaries on the QNN HTP "
-        "backend (the x86 simulator on a workstation) for a few rounds of greedy exact hybrid drafting against the "
-        "reference verifier, and compare every pass with onnxruntime CPU on the bundle's QDQ graphs: top-k ids, "
-        "log-probs within the tolerance, committed tokens. Writes report.json and summary.md into --out.")
-    s.add_argument("bundle", help="an export output's bundle/ folder")
+        "backend (the x86 simulator on a workstation) for a few rounds of exact hybrid drafting (HyCo exact; "
+        "SLM-only trees for a bundle without an MTP Drafter) against the reference verifier, which samples at "
+        f"temperature {sampling.temperature:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g} with each token's "
+        "seed keyed by its position, so exact verification commits the same text whatever was drafted. The same "
+        "rounds run with both drafters on onnxruntime CPU on the bundle's QDQ graphs; every pass is compared "
+        "(top-k ids, log-probs within each graph's bound or --tolerance) and so are the committed tokens. Writes "
+        "report.json and summary.md into --out.")
+    s.add_argument("bundle", help="an export output's bundle/ folder (EXPORT_DIR/bundle)")
     s.add_argument("--verifier", required=True, help="reference verifier checkpoint (the server's; checked against "
                    "the name and config hash bundle.json records)")
     s.add_argument("--verifier-tokenizer", help="the verifier's own tokenizer, for a verifier of another family "
                    "(drafted for through the token bridge)")
-    s.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts from the bundle's prompts.jsonl")
-    s.add_argument("--rounds", type=int, default=3, metavar="R", help="drafting rounds per prompt")
+    s.add_argument("--prompts", type=at_least(1), default=max(1, _DEFAULT.smoke_prompts), metavar="N",
+                   help="prompts from the bundle's prompts.jsonl (default: %(default)s)")
+    s.add_argument("--rounds", type=at_least(1), default=_DEFAULT.smoke_rounds, metavar="R",
+                   help="drafting rounds per prompt (default: %(default)s)")
     s.add_argument("--tolerance", type=float, default=_DEFAULT.logprob_tolerance,
                    help="max |log-prob| difference HTP vs CPU, one number for every graph (default: each graph's "
                    "own bound from calibrate, htp_logprob_bound in the bundle's io_spec.json)")
     s.add_argument("--no-isolate", action="store_true",
                    help="run every context in this process (HTP results were seen to leak between sessions)")
     s.add_argument("--soc-model", type=int, default=_DEFAULT.soc_model,
-                   help="the SoC the bundle must have been built for (87: SM8850); another is refused")
+                   help="the SoC the bundle must have been built for (default: %(default)s, SM8850); another is refused")
     s.add_argument("--out", help="report folder (default: BUNDLE/../smoke)")
     s.set_defaults(func=_cmd_smoke)
 
@@ -100,10 +107,19 @@ def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> 
     return 0
 
 
+def refuse_export_folder(bundle: Path) -> None:
+    """The export stage's folder given for its bundle/ inside: say so, not that bundle.json is missing."""
+    from hyco.errors import HycoError
+
+    if not (bundle / "bundle.json").is_file() and (bundle / "bundle").is_dir():
+        raise HycoError(f"{bundle} is an export folder, not a bundle: did you mean {bundle / 'bundle'}?")
+
+
 def _cmd_smoke(args: argparse.Namespace) -> int:
     from hyco.export.smoke import smoke
 
     bundle = Path(args.bundle)
+    refuse_export_folder(bundle)
     out = Path(args.out) if args.out else bundle.parent / "smoke"
     report = smoke(bundle=bundle, verifier=Path(args.verifier), prompts=args.prompts,
                    verifier_tokenizer=Path(args.verifier_tokenizer) if args.verifier_tokenizer else None,

@@ -3,8 +3,10 @@ with onnxruntime CPU on the bundle's own QDQ graphs.
 
 Only the bundle is read (plus the reference verifier, which is the server's and not part of it).
 `verify_bundle` runs first: a flipped byte, a missing LUT or an io_spec that disagrees with a
-binary stops the test with one line naming the file. Then, per prompt, R rounds of greedy exact
-HyCo drafting (MTP chain + one SLM pass) against the verifier, twice:
+binary stops the test with one line naming the file. Then, per prompt, R rounds of exact HyCo
+drafting (MTP chain + one SLM pass) against the verifier, which samples at the paper's settings
+(temperature 1, top-k 64, top-p 0.95) with each token drawn from a generator keyed by its
+position, twice:
 - the HTP run: every graph pass runs on the HTP and, on the very same feeds, on CPU; the pass
   agrees when its top-k ids are equal (an id swap counts only as a tie when the two tokens' CPU
   log-probs are within twice the pass's own measured difference, `pass_compare`), its top-k
@@ -21,9 +23,9 @@ HyCo drafting (MTP chain + one SLM pass) against the verifier, twice:
   (`pass_compare.NOISE_FACTOR`), so an honest HTP is not failed on it.
   `--tolerance` replaces the log-prob bound with one number for every graph (and holds no K/V
   bound);
-- the CPU run: the same rounds with both drafters on CPU (`compare_commits`). Greedy exact
-  verification commits the verifier's greedy text whatever the drafts, so the two runs' committed
-  streams must agree token for token over their common length. A round may accept a different
+- the CPU run: the same rounds with both drafters on CPU (`compare_commits`). Exact
+  verification with position-keyed sampling commits the verifier's own sampled text whatever the
+  drafts, so the two runs' committed streams must agree token for token over their common length. A round may accept a different
   number of drafts only where its passes swapped two tokens within the bound (a tie: the drafts
   then legitimately differ); such a round is counted and reported, and from it on the two runs
   stand at different positions, so rounds are compared as streams, not one by one.

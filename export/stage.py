@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hyco import verdict
 from hyco.artifacts import (
     Phases,
     StageEnd,
@@ -273,7 +274,36 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
                "smoke_passed": None if smoke is None else smoke["passed"]}
     return finish_stage("export", out, StageEnd(
         report, summary_md, summary, failed, nondeterministic=varying,
-        failure_hint="; --allow-parity-failure keeps the bundle and smoke/ (manifest marked)"), allow_parity_failure)
+        failure_hint="; --allow-parity-failure keeps the bundle and smoke/ (manifest marked)",
+        verdict=verdict_lines(report, config), verdict_varies="the smoke run's HTP simulator figures"),
+        allow_parity_failure)
+
+
+def verdict_lines(report: dict[str, Any], config: ExportConfig) -> list[verdict.Line]:
+    """The smoke run through the binaries against onnxruntime CPU, and what the phone holds."""
+    from hyco.bundle import footprint_line
+
+    smoke = report["smoke"]
+    qnn = ".".join(report["qnn_sdk"].lstrip("v").split(".")[:2])
+    binaries = (f"{len(report['graphs'])} context binaries for {report['chip']} (soc {report['soc_model']}, "
+                f"Hexagon v{report['htp_arch']}), QNN {qnn}")
+    lines = [verdict.Line("built", verdict.INFO, binaries)]
+    if smoke is None:
+        why = "off (export.share_contexts: a shared context does not load on the x86 simulator)" \
+            if config.share_contexts else "off (export.smoke_prompts: 0, or no verifier given)"
+        lines.append(verdict.proof("smoke through the binaries", None, "", off=why))
+    else:
+        by = smoke["by_graph"]
+        diffs = " / ".join(f"{g} {v['max_logprob_diff']:.3f} (bound {v['bound']:.3f})" for g, v in by.items())
+        kv = max((v["max_kv_steps"] for v in by.values() if v.get("kv_step_bound")), default=None)
+        kv_bound = min((v["kv_step_bound"] for v in by.values() if v.get("kv_step_bound")), default=None)
+        kv_said = f"; K/V {kv:.0f} steps (bound {kv_bound:.0f})" if kv is not None else ""
+        lines.append(verdict.proof(
+            "smoke through the binaries (HTP simulator vs onnxruntime CPU)", smoke["passed"],
+            f"{len(smoke['passes'])} passes, {sum(v['id_mismatches'] for v in by.values())} disagreeing; max |log-prob diff| "
+            f"{diffs}{kv_said}", "each graph's bound from calibrate; committed streams equal"))
+    lines.append(verdict.Line("on the phone", verdict.INFO, footprint_line(report["footprint"])))
+    return lines
 
 
 def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:

@@ -24,9 +24,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hyco import verdict
 from hyco.console import STAGE_LOG, stage_log
 from hyco.errors import HycoError, ProofFailed
 from hyco.launch import world_size
+from hyco.verdict import Line
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
@@ -216,6 +218,15 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}"
+
+
 @contextlib.contextmanager
 def scratch_tempdir(final: Path) -> Iterator[Path]:
     """Point the process's temp files at `.NAME.scratch-PID` beside `final` for the block: Python's
@@ -227,6 +238,10 @@ def scratch_tempdir(final: Path) -> Iterator[Path]:
     scratch = final.parent / f".{final.name}.scratch-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
+    # torch inductor's compile cache is a cache, not scratch: held at torch's own default under the
+    # real temp folder, since a path inside the scratch, memoized by torch, came back as an empty
+    # `torchinductor_<user>` folder after the scratch was removed
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}"))
     saved = tempfile.tempdir, os.environ.get("TMPDIR")
     before = set(os.environ)
     tempfile.tempdir, os.environ["TMPDIR"] = str(scratch), str(scratch)
@@ -369,6 +384,11 @@ def declare_nondeterministic(name: str, reason: str, ignore_pointers: list[str] 
         entry: dict[str, Any] = {"reason": reason}
         if ignore_pointers is not None:
             entry["ignore_pointers"] = sorted(ignore_pointers)
+        earlier = _declared.get(name)
+        if earlier is not None:  # declared twice: the whole file if either says so, else both pointer sets
+            entry = {"reason": f"{earlier['reason']}; {reason}"}
+            if "ignore_pointers" in earlier and ignore_pointers is not None:
+                entry["ignore_pointers"] = sorted(set(earlier["ignore_pointers"]) | set(ignore_pointers))
         _declared[name] = entry
 
 
@@ -484,7 +504,9 @@ class StageEnd:
     `markdown(report)`: summary.md; `plots`: file name -> drawing function; `nondeterministic`:
     (output, reason, JSON pointers or None) for `declare_nondeterministic`; `summary`: what the
     manifest keeps; `proof_failed`: the failed proof in one phrase, or None; `failure_hint`:
-    appended to the ProofFailed message."""
+    appended to the ProofFailed message; `verdict`: the lines that open summary.md (hyco/verdict.py),
+    also kept in report.json's `verdict` for run_summary.md; `verdict_varies`: why they hold
+    figures that differ between reruns (measured times, the HTP simulator's output), or ""."""
 
     report: dict[str, Any]
     markdown: Callable[[dict[str, Any]], str]
@@ -493,6 +515,8 @@ class StageEnd:
     plots: dict[str, Callable[[Path], None]] = field(default_factory=dict)
     nondeterministic: list[tuple[str, str, list[str] | None]] = field(default_factory=list)
     failure_hint: str = ""
+    verdict: list[Line] = field(default_factory=list)
+    verdict_varies: str = ""
 
 
 def finish_stage(name: str, out: Path, end: StageEnd, allow_parity_failure: bool) -> dict[str, Any]:
@@ -501,21 +525,32 @@ def finish_stage(name: str, out: Path, end: StageEnd, allow_parity_failure: bool
     (ProofFailed; `out` is run_stage's temp folder, so nothing moves into place) unless
     `allow_parity_failure`, which keeps the artifacts and marks the manifest through the
     returned summary's `proof_failed`. Returns the manifest's summary."""
-    report = {**end.report, "proof_failed": end.proof_failed, "peak_rss_mb": round(peak_rss_mb(), 1),
-              "toolchain": toolchain_versions()}
+    lines = stage_verdict(end.verdict, end.proof_failed)
+    report = {**end.report, "proof_failed": end.proof_failed, "verdict": verdict.to_json(lines),
+              "peak_rss_mb": round(peak_rss_mb(), 1), "toolchain": toolchain_versions()}
     write_json(Path(out) / "report.json", report)
     for file, draw in end.plots.items():
         draw(Path(out) / file)
-    md = end.markdown(report)
+    md = verdict.with_verdict(end.markdown(report), lines)
     if (Path(out) / STAGE_LOG).exists():
         md = md.rstrip("\n") + (f"\n\nWhat the libraries printed (warnings, INFO lines, C++ logs) is in `{STAGE_LOG}` beside "
                                  "this file, not on the terminal; manifest.json's `log` counts it.\n")
     (Path(out) / "summary.md").write_text(md)
     for file, reason, pointers in end.nondeterministic:
         declare_nondeterministic(file, reason, ignore_pointers=pointers)
+    if end.verdict_varies:
+        declare_nondeterministic("report.json", f"the verdict restates {end.verdict_varies}", ["/verdict"])
     if end.proof_failed and not allow_parity_failure:
         raise ProofFailed(f"{name}: {end.proof_failed}{end.failure_hint}")
     return {**end.summary, "proof_failed": end.proof_failed}
+
+
+def stage_verdict(lines: list[Line], proof_failed: str | None) -> list[Line]:
+    """The stage's verdict lines; a failed proof that no line shows as FAIL gets a line of its own,
+    so a summary never opens with PASSED above a failure."""
+    if proof_failed and not any(line.status == verdict.FAIL for line in lines):
+        return [*lines, verdict.Line("proof", verdict.FAIL, proof_failed)]
+    return list(lines)
 
 
 def run_stage(

@@ -81,6 +81,31 @@ def two_bit_cost(encodings: Path) -> dict[str, Any] | None:
                    "2-bit encoding) are named in libQnnHtp.so, but no route to them from an ONNX graph was found"}
 
 
+def footprint_line(footprint: dict[str, Any]) -> str:
+    """One line of what the phone holds, beside the targets (the paper's Table 3 unless the recipe
+    states its own)."""
+    mb = lambda b: f"{b / 1e6:,.1f} MB"
+    line = f"NPU {mb(footprint['npu_resident_total'])} resident, CPU LUTs {mb(footprint['cpu_lut_total'])}"
+    paper = {r["item"]: r["paper_bytes"] for r in footprint["table3"]}
+    slm, mtp = paper.get(FOOTPRINT_ROWS["slm"]), paper.get(FOOTPRINT_ROWS["mtp_drafter"])
+    if slm and mtp:
+        line += f"; the targets: SLM {mb(slm)} + MTP Drafter {mb(mtp)}"
+    scale = scale_note(footprint)
+    return f"{line} ({scale})" if scale else line
+
+
+def scale_note(footprint: dict[str, Any]) -> str | None:
+    """A bundle a tenth of its targets or less holds a smaller model than theirs (the tiny family
+    against the paper's E2B): said so, since its "-99.8% vs paper" column reads like an alarm."""
+    ours = footprint["npu_resident_total"] + footprint["cpu_lut_total"]
+    targets = sum(r["paper_bytes"] for r in footprint["table3"]
+                  if r["item"] in (FOOTPRINT_ROWS["slm"], FOOTPRINT_ROWS["mtp_drafter"]))
+    if not ours or targets < 10 * ours:
+        return None
+    return (f"this bundle is {targets / ours:,.0f}x smaller than the targets: a smaller model, so the difference is "
+            "one of scale, not a regression")
+
+
 def footprint_markdown(footprint: dict[str, Any]) -> str:
     mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f} MB"
     rows = ["| item | paper | this bundle | vs paper |", "|---|---|---|---|"]
@@ -90,7 +115,9 @@ def footprint_markdown(footprint: dict[str, Any]) -> str:
     two = footprint.get("two_bit_weights")
     extra = (f" The SLM's 2-bit weights travel in INT4 containers: {mb(two['bytes_in_int4_containers'])} where 2 bits "
              f"would take {mb(two['bytes_at_2_bits'])} (+{mb(two['extra_bytes'])} per context holding them).") if two else ""
-    return ("\n".join(rows) + f"\n\nNPU resident per graph: {per_graph}; in total {mb(footprint['npu_resident_total'])} "
+    scale = scale_note(footprint)
+    note = f"{scale[0].upper()}{scale[1:]}.\n\n" if scale else ""
+    return (note + "\n".join(rows) + f"\n\nNPU resident per graph: {per_graph}; in total {mb(footprint['npu_resident_total'])} "
             f"(a shared context once). CPU LUTs {mb(footprint['cpu_lut_total'])}. {footprint['how']}{extra}\n")
 
 

@@ -1,7 +1,9 @@
-"""`hyco-convert`: one subcommand per stage plus `run`, which runs a recipe's stages in order.
+"""`hyco-convert`: `run`, `plan` and `recipes` over a whole recipe, then one subcommand per stage
+in pipeline order.
 
-Bad input raises HycoError; it is printed as one line and the exit status is 2. A stage whose
-bit-exact or parity proof fails raises ProofFailed: one line naming the check, exit status 1.
+Bad input raises HycoError; it is printed as one line and the exit status is 2 (a bad command
+line too: `Parser`). A stage whose bit-exact or parity proof fails raises ProofFailed: one line
+naming the check, exit status 1.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import dataclasses
 import errno
 import importlib
 import os
+import re
 import signal
 import sys
+import textwrap
 import typing
 import warnings
 from collections.abc import Callable
@@ -22,11 +26,67 @@ from typing import Any, Literal
 
 from hyco.errors import HycoError, ProofFailed
 from hyco.launch import is_follower, refuse_launch
-from hyco.recipe import add_set_option, field_help, section_config
+from hyco.recipe import STAGE_ORDER, add_set_option, field_help, section_config
 from hyco.stages import STAGES
 
 # The subcommands whose prompts split over the processes of `accelerate launch` (hyco/launch.py).
 SPLIT_COMMANDS = ("answers", "qat", "check")
+
+
+class Formatter(argparse.HelpFormatter):
+    """argparse's help layout, without breaking a name at its hyphens (hyco-server-head stays whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: what is wrong and where the help is, exit status 2
+    (argparse prints the whole usage first). Every subcommand's parser is one too."""
+
+    def __init__(self, *args: Any, formatter_class: type = Formatter, **kwargs: Any):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        # "argument --prompts: must be >= 1" reads as the recipe's own checks do: "--prompts must be >= 1"
+        message = re.sub(r"^argument (\S+): (must .*)$", r"\1 \2", message)
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+    def parse_args(self, args=None, namespace=None):  # an unknown flag is the subcommand's error, not the top's
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            commands.get(getattr(parsed, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, refused on the command line (a 0 must not read
+    as "not given" further on)."""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, but got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, but got {value}")
+        return value
+
+    return read
+
+
+def add_recipe_argument(p: argparse.ArgumentParser, **kwargs: Any) -> None:
+    """RECIPE: a packaged recipe's name or a YAML file (the names listed from the package)."""
+    from hyco.recipe import packaged_recipes
+
+    p.add_argument("recipe", metavar="RECIPE", help=f"a packaged recipe ({', '.join(packaged_recipes())}; "
+                   "`hyco-convert recipes` describes them) or a recipe YAML file; a file wins over a name",
+                   **kwargs)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -37,6 +97,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
     run_dir = Path(args.out) if args.out else recipe.path(recipe.out)
     report = run_recipe(recipe, run_dir, force=args.force, allow_parity_failure=args.allow_parity_failure)
     print(f"wrote {run_dir}/run_report.json and {run_dir}/run_summary.md ({report['wall_s']:.1f} s)")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hyco.preflight import inspect_run, stage_plan
+    from hyco.recipe import find_recipe, load_recipe
+    from hyco.stages import load_stage
+
+    recipe = load_recipe(args.recipe, args.set or [])
+    run_dir = Path(args.out) if args.out else recipe.path(recipe.out)
+    modules = {name: load_stage(name) for name in recipe.stages}
+    print(f"plan of recipe {recipe.name} ({find_recipe(args.recipe)}) into {run_dir}:")
+    for stage, action, why in stage_plan(recipe, modules, run_dir, recipe.allow_parity_failure):
+        print(f"  {stage:<10} {action:<6} {why}")
+    found = inspect_run(recipe, modules, run_dir)
+    for row in found.estimates:
+        print(row.text())
+    problems = found.problems + found.over_limits
+    for problem in problems:  # every one, a line each: the recipe is fixed once, not once per run
+        print(f"hyco-convert plan: error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    print("no problems found: `hyco-convert run` with the same arguments would do the above")
+    return 0
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from hyco.loading import read_yaml
+    from hyco.recipe import packaged_recipes
+
+    recipes = packaged_recipes()
+    width = max(map(len, recipes), default=0)
+    for name, path in recipes.items():
+        data = read_yaml(path, "recipe")
+        description = data.get("description") if isinstance(data, dict) else None
+        print(f"{name:<{width}}  {description or '(no description)'}")
     return 0
 
 
@@ -134,17 +230,23 @@ def _flag_value(tp: Any) -> Callable[[str], Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from importlib.metadata import version
+
+    stages = [s for s in STAGE_ORDER if s in STAGES]
+    parser = Parser(
         prog="hyco-convert",
         description="Turn HyCo's drafters (Gemma 4 E2B QAT SLM, gemma4_assistant MTP head) into static "
-        "integer NPU graphs for QNN HTP, and validate hybrid decoding against a reference verifier.",
+        "integer NPU graphs for QNN HTP, and validate hybrid decoding against a reference verifier. Commands: "
+        "run, plan and recipes work on a whole recipe; the others run one stage each, in pipeline order ("
+        f"{', '.join(stages)}), with smoke after export and project after check.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('hyco-convert')}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
     run = sub.add_parser("run", help="run the stages a recipe names, in order, each into OUT/<stage>/",
                          description="Run the recipe's stages in order. Each stage writes OUT/<stage>/ with a "
                          "manifest.json; a rerun skips a stage whose manifest still matches its recipe section "
-                         "and inputs.")
-    run.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny.yaml")
+                         "and inputs. Relative paths in the recipe are the working directory's.")
+    add_recipe_argument(run)
     run.add_argument("--out", help="output folder (default: the recipe's `out`)")
     run.add_argument("--force", action="store_true", help="rebuild every stage even if its manifest matches")
     run.add_argument("--allow-parity-failure", action="store_true",
@@ -153,9 +255,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="override a recipe value, e.g. --set models.slm=/data/gemma-4-e2b (repeatable)")
     run.set_defaults(func=_cmd_run)
-    for module in STAGES.values():
-        cli = importlib.import_module(module.rsplit(".", 1)[0] + ".cli")
-        cli.add_cli(sub)
+    plan = sub.add_parser("plan", help="validate a recipe without running it: problems, stages to build or reuse, "
+                          "estimates",
+                          description="What `run` would do, without running a stage: each stage built or reused "
+                          "(its folder's manifest matches its recipe section and inputs), every problem with the "
+                          "recipe's inputs at once (a line each on stderr, exit status 2), and preflight's memory "
+                          "and disk estimate per stage.")
+    add_recipe_argument(plan)
+    plan.add_argument("--out", help="output folder (default: the recipe's `out`)")
+    plan.add_argument("--set", action="append", metavar="KEY=VALUE",
+                      help="override a recipe value, as for run (repeatable)")
+    plan.set_defaults(func=_cmd_plan)
+    recipes = sub.add_parser("recipes", help="list the recipes shipped with the package",
+                             description="List the packaged recipes, a line each: the name `run`, `plan` and "
+                             "`check` accept, and what the recipe is for.")
+    recipes.set_defaults(func=_cmd_recipes)
+    for module in dict.fromkeys(STAGES[s].rsplit(".", 1)[0] for s in stages):
+        importlib.import_module(module + ".cli").add_cli(sub)
     return parser
 
 

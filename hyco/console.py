@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 import warnings
@@ -46,6 +47,30 @@ def is_ours(category: type[Warning]) -> bool:
     return category.__module__.split(".")[0] == "hyco"
 
 
+# Library warnings this project meets on every run, each checked and harmless here, with why: the
+# log marks them `[known: why]` and the counts keep them apart from the ones nobody has explained.
+KNOWN_WARNINGS = (
+    (r"Exporting to ONNX opset version \d+ is not supported",
+     "the TorchScript exporter writes the ops these graphs use at opset 21; onnx.checker and the parity "
+     "proofs check every graph it writes"),
+    (r"Converting a tensor to a Python boolean might cause the trace to be incorrect",
+     "the NPU graphs are static by design: every traced shape decision is the one intended"),
+    (r"`torch\.jit\.trace(_method)?` is deprecated",
+     "the TorchScript exporter is chosen on purpose: torch.export folds small integer weights to float"),
+    (r"`is_gradient_checkpointing` is deprecated", "inside transformers; nothing here calls it"),
+    (r"To copy construct from a tensor, it is recommended", "inside aimet-torch's QuantSim; values unchanged"),
+    (r"Please consider (to run )?pre-?processing before quantization",
+     "onnxruntime's quantizer: its pre-processing finds nothing to do on these prepared graphs"),
+)
+
+
+def known_warning(message: str) -> str | None:
+    """Why a library's warning is harmless here, or None for one nobody has explained."""
+    import re
+
+    return next((why for pattern, why in KNOWN_WARNINGS if re.search(pattern, message)), None)
+
+
 def progress(iterable=None, **kwargs):
     """tqdm on the terminal (fd 2 itself goes to the stage's log while a stage runs)."""
     from tqdm import tqdm
@@ -56,11 +81,12 @@ def progress(iterable=None, **kwargs):
 @dataclass
 class LogCounts:
     path: Path
-    warnings: int = 0  # through Python's warnings module
+    warnings: int = 0  # through Python's warnings module or logging, none of KNOWN_WARNINGS
+    known: int = 0  # of KNOWN_WARNINGS: harmless, each with its reason in the log
     lines: int = 0  # every line of the log, warnings included
 
     def record(self) -> dict:
-        return {"file": self.path.name, "warnings": self.warnings, "lines": self.lines}
+        return {"file": self.path.name, "warnings": self.warnings, "known_warnings": self.known, "lines": self.lines}
 
 
 def _fileno(stream) -> int | None:
@@ -97,15 +123,23 @@ def stage_log(path: Path) -> Iterator[LogCounts]:
         if is_ours(category):
             previous_show(message, category, filename, lineno, file, line)
             return
-        counts.warnings += 1  # written to the log itself: sys.stderr may be redirected to the terminal
+        why = known_warning(str(message))
+        if why:
+            counts.known += 1
+            log_text.write(f"[known: {why}] ")
+        else:
+            counts.warnings += 1  # written to the log itself: sys.stderr may be redirected to the terminal
         log_text.write(warnings.formatwarning(message, category, filename, lineno, line))
 
+    known_logs = KnownLogWarnings(counts)
     try:
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         warnings.showwarning = show
+        logging.getLogger().addFilter(known_logs)
         yield counts
     finally:
+        logging.getLogger().removeFilter(known_logs)
         warnings.showwarning = previous_show
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(ValueError, OSError):
@@ -119,6 +153,25 @@ def stage_log(path: Path) -> Iterator[LogCounts]:
             _terminal.close()
         _terminal = previous_terminal
         counts.lines = _count_lines(path)
+
+
+class KnownLogWarnings(logging.Filter):
+    """A library's WARNING through `logging` (onnxruntime's quantizer logs to the root logger):
+    counted like a warning, and a known one marked with why it is harmless."""
+
+    def __init__(self, counts: LogCounts):
+        super().__init__()
+        self.counts = counts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING:
+            why = known_warning(record.getMessage())
+            if why:
+                self.counts.known += 1
+                record.msg, record.args = f"[known: {why}] {record.getMessage()}", ()
+            else:
+                self.counts.warnings += 1
+        return True
 
 
 def _count_lines(path: Path) -> int:

@@ -143,8 +143,10 @@ def load_growth(stage: str, placement, checkpoint_dtype: str | None) -> float:
     return 2.0 if fp32 else 1.0
 
 
-def estimate(stages: tuple[str, ...], sizes: dict[str, int], growth: dict[str, float] | None = None) -> list[Estimate]:
-    """`growth`: per stage, the verifier's `load_growth`."""
+def estimate(stages: tuple[str, ...], sizes: dict[str, int], growth: dict[str, float] | None = None,
+             unreadable: set[str] = frozenset()) -> list[Estimate]:
+    """`growth`: per stage, the verifier's `load_growth`; `unreadable`: the roles whose model
+    folder preflight refused (no figure, said so)."""
     where = device()
     rows = []
     for stage in stages:
@@ -156,6 +158,7 @@ def estimate(stages: tuple[str, ...], sizes: dict[str, int], growth: dict[str, f
         disk = disk_factor * sizes.get(disk_role, 0) / GiB
         onnx = stage in ("convert", "calibrate", "export")
         basis = ("estimated" if mem_role in sizes else "loads no model" if mem_role is None
+                 else f"not estimated (its {mem_role} could not be read)" if mem_role in unreadable
                  else f"not estimated (its {mem_role} is made by an earlier stage of this run)")
         rows.append(Estimate(stage, memory, disk, "CPU (onnxruntime, QNN)" if onnx else where, basis))
     return rows
@@ -165,53 +168,175 @@ def machine_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
 
 
-def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estimate]:
-    """Check and estimate every stage of `recipe` (`modules`: stage -> module); HycoError (one
-    line, before any stage) on a missing or misshapen input or an estimate over `recipe.limits`."""
+@dataclass
+class Findings:
+    """What `inspect_run` found: the problems with the recipe's inputs (each one line), each
+    stage's estimate, and the estimates over the recipe's limits (each one line)."""
+
+    problems: list[str]
+    estimates: list[Estimate]
+    over_limits: list[str]
+
+
+def inspect_run(recipe, modules: dict, run_dir: Path) -> Findings:
+    """Every check of `run`'s preflight over `recipe`'s stages (`modules`: stage -> module), each
+    problem collected rather than raised, so `plan` can list them all at once."""
     from hyco.loading import preflight as check_folder
 
     run_dir = Path(run_dir)
+    problems: list[str] = []
+
+    def attempt(check, *args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except HycoError as e:
+            problems.append(str(e))
+            return None
+
+    inputs = {name: attempt(module.inputs, recipe, run_dir) or {} for name, module in modules.items()}
+    used = [Path(p) for paths in inputs.values() for p in paths.values()]
     sizes: dict[str, int] = {}
+    unreadable: set[str] = set()  # the roles whose model folder was refused
+    reported: set[Path] = set()  # inputs already refused: one line each
     for role in ROLES:
         path = recipe.path(getattr(recipe.models, role), run_dir)
-        used = path is not None and any(path == p for m in modules.values() for p in m.inputs(recipe, run_dir).values())
-        if used and not Path(path).resolve().is_relative_to(run_dir.resolve()):
+        if path is not None and path in used and not _inside(path, run_dir):
             bridged = role == "verifier" and recipe.models.verifier_tokenizer is not None
-            sizes[role] = check_model(role, Path(path), recipe.models.family, cross_family=bridged)
-    for module in modules.values():  # tokenizers and anything else outside the run folder
-        for path in module.inputs(recipe, run_dir).values():
-            if not Path(path).resolve().is_relative_to(run_dir.resolve()):
-                if not Path(path).exists():
-                    raise HycoError(f"{path}: not found (an input of the recipe's stages)")
-                check_folder(path)
+            size = attempt(check_model, role, Path(path), recipe.models.family, cross_family=bridged)
+            if size is None:
+                unreadable.add(role)
+                reported.add(Path(path))
+            else:
+                sizes[role] = size
+    for path in dict.fromkeys(used):  # tokenizers and anything else outside the run folder
+        if path in reported or _inside(path, run_dir):
+            continue
+        if not path.exists():
+            problems.append(f"{path}: not found (an input of the recipe's stages)")
+            reported.add(path)
+            continue
+        attempt(check_folder, path)
+    for position, (name, paths) in enumerate(inputs.items()):  # the run folder's: an earlier stage writes them
+        for folder, missing in unbuilt(paths.values(), run_dir, list(modules)[:position]).items():
+            problems.append(f"{missing[0]}: not found, and no earlier stage of the recipe writes {folder}/ (stage "
+                            f"{name} reads it)")
     if "vocab" in modules:
-        check_corpus(recipe)
+        attempt(check_corpus, recipe)
     if "qat" in modules and "verifier" in sizes:
-        check_teacher(Path(recipe.path(recipe.models.verifier, run_dir)), recipe.qat.quantized_teacher)
-    if "check" in modules and recipe.check.workload.source is not None:  # every line, before hours of convert
-        from hyco.workloads import read_workload
+        attempt(check_teacher, Path(recipe.path(recipe.models.verifier, run_dir)), recipe.qat.quantized_teacher)
+    workload = recipe.path(recipe.check.workload.source, run_dir)
+    if "check" in modules and workload is not None and workload not in reported:
+        from hyco.workloads import read_workload  # every line, before hours of convert
 
-        read_workload(recipe.path(recipe.check.workload.source, run_dir), recipe.check.workload.schema)
+        attempt(read_workload, workload, recipe.check.workload.schema)
     growth = {}
-    verifier = recipe.path(recipe.models.verifier, run_dir)
     if "verifier" in sizes:
-        dtype = _checkpoint_dtype(Path(verifier))
+        dtype = _checkpoint_dtype(Path(recipe.path(recipe.models.verifier, run_dir)))
         growth = {stage: load_growth(stage, recipe.placement, dtype) for stage in modules}
-    rows = estimate(tuple(modules), sizes, growth)
+    rows = estimate(tuple(modules), sizes, growth, unreadable)
+    return Findings(problems, rows, over_limits(recipe, rows, run_dir))
+
+
+def over_limits(recipe, rows: list[Estimate], run_dir: Path) -> list[str]:
+    """Each stage whose memory estimate, and the run whose disk estimate, is over the recipe's
+    `limits` (or this machine's memory, the free space where the run writes)."""
     free_disk = shutil.disk_usage(_existing(run_dir)).free / GiB
     limit_memory = recipe.limits.memory_gb or machine_memory_gb()
     limit_disk = recipe.limits.disk_gb or free_disk
-    for r in rows:
-        log(r.text())
+    found = [f"preflight: stage {r.stage} needs ~{size_text(r.memory_gb)} of memory, over the limit of "
+             f"{size_text(limit_memory)} (limits.memory_gb, or this machine's memory)"
+             for r in rows if r.memory_gb > limit_memory]
     total_disk = sum(r.disk_gb for r in rows)
-    for r in rows:
-        if r.memory_gb > limit_memory:
-            raise HycoError(f"preflight: stage {r.stage} needs ~{size_text(r.memory_gb)} of memory, over the limit of "
-                            f"{size_text(limit_memory)} (limits.memory_gb, or this machine's memory)")
     if total_disk > limit_disk:
-        raise HycoError(f"preflight: the stages write ~{size_text(total_disk)}, over the limit of {size_text(limit_disk)} "
-                        f"(limits.disk_gb, or the free space at {_existing(run_dir)})")
+        found.append(f"preflight: the stages write ~{size_text(total_disk)}, over the limit of {size_text(limit_disk)} "
+                     f"(limits.disk_gb, or the free space at {_existing(run_dir)})")
+    return found
+
+
+def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estimate]:
+    """Check and estimate every stage of `recipe` (`modules`: stage -> module); HycoError (one
+    line, before any stage) on a missing or misshapen input or an estimate over `recipe.limits`:
+    the first such problem, with a count of the others (`hyco-convert plan` lists them all)."""
+    found = inspect_run(recipe, modules, run_dir)
+    if found.problems:
+        raise HycoError(_first_of(found.problems))
+    for r in found.estimates:
+        log(r.text())
+    if found.over_limits:
+        raise HycoError(_first_of(found.over_limits))
+    return found.estimates
+
+
+def _first_of(problems: list[str]) -> str:
+    more = len(problems) - 1
+    if not more:
+        return problems[0]
+    return f"{problems[0]} (and {more} more problem{'s' if more > 1 else ''}: `hyco-convert plan RECIPE` lists all)"
+
+
+def unbuilt(paths, run_dir: Path, built=()) -> dict[str, list[Path]]:
+    """Of `paths`, those inside `run_dir` that are not there and that no stage in `built` writes,
+    by the stage folder they belong to (their first folder in `run_dir`)."""
+    missing: dict[str, list[Path]] = {}
+    for path in map(Path, paths):
+        if not _inside(path, run_dir) or path.exists():
+            continue
+        parts = path.resolve().relative_to(Path(run_dir).resolve()).parts
+        folder = parts[0] if parts else "."
+        if folder not in built:
+            missing.setdefault(folder, []).append(path)
+    return missing
+
+
+def stage_plan(recipe, modules: dict, run_dir: Path, allow_parity_failure: bool = False) -> list[tuple[str, str, str]]:
+    """Per stage, what `run` would do with it: (stage, "reuse", why) when its folder holds a finished
+    build of the same recipe section and inputs, else (stage, "build", why); with the wall time of
+    the build its folder holds, the one time figure there is. A stage reading a stage that is
+    rebuilt is rebuilt too (its inputs' fingerprints change)."""
+    from hyco.artifacts import MANIFEST, manifest_matches, stage_key
+    from hyco.stages import stage_dir, stage_section
+
+    rows, rebuilt = [], []
+    for name, module in modules.items():
+        out = stage_dir(run_dir, name)
+        try:
+            inputs = module.inputs(recipe, run_dir)
+        except HycoError:
+            rows.append((name, "build", "once its inputs are fixed (see the errors)"))
+            rebuilt.append(name)
+            continue
+        upstream = [s for s in rebuilt if any(_inside(p, stage_dir(run_dir, s)) for p in inputs.values())]
+        manifest = _manifest(out / MANIFEST)
+        took = f" (its last build took {manifest['wall_s']:.1f} s)" if "wall_s" in manifest else ""
+        if upstream:
+            why = f"it reads {', '.join(upstream)}, {'which is' if len(upstream) == 1 else 'which are'} rebuilt"
+        elif not manifest:
+            why = "not built yet"
+        elif not manifest_matches(out, stage_key(stage_section(module, name, recipe), inputs)):
+            why = "its recipe section or inputs changed since it was built"
+        elif manifest.get("proof_failed") and not allow_parity_failure:
+            why = "it was kept although its proof failed"
+        else:
+            rows.append((name, "reuse", f"{out} matches its recipe section and inputs{took}"))
+            continue
+        rows.append((name, "build", why + took))
+        rebuilt.append(name)
     return rows
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    """A stage folder's manifest, {} when there is none (or only half of one)."""
+    import json
+
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    return Path(path).resolve().is_relative_to(Path(run_dir).resolve())
 
 
 def size_text(gib: float) -> str:

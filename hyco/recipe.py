@@ -8,9 +8,11 @@ the file. `RECIPE_VERSION` moves when a field changes meaning.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -361,7 +363,9 @@ class TimingConfig:
             values = getattr(self, name)
             _require(len(values) >= 2 and all(v >= 1 for v in values) and list(values) == sorted(set(values)),
                      f"check.timing.{name} must be two or more increasing lengths, but got {list(values)}")
-        for name in ("rtt_ms", "up_mbps", "down_mbps"):
+        # an RTT of 0 is a link on the same LAN; a bandwidth of 0 carries nothing
+        _require(self.rtt_ms is None or self.rtt_ms >= 0, f"check.timing.rtt_ms must be >= 0, but got {self.rtt_ms}")
+        for name in ("up_mbps", "down_mbps"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"check.timing.{name} must be > 0, but got {value}")
         _require(self.phone_bandwidth_gbs > 0,
@@ -463,6 +467,9 @@ class Recipe:
     name: str
     out: str
     stages: tuple[str, ...]
+    # One line on what the recipe is for (`hyco-convert recipes` lists it); a variant states its own,
+    # a base's is not inherited.
+    description: str = ""
     version: int = RECIPE_VERSION
     models: ModelsConfig = field(default_factory=ModelsConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -532,19 +539,25 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
     """Build dataclass `cls` from plain data, checking keys and types; `where` names the
     file and section for messages."""
     if not isinstance(data, dict):
-        raise HycoError(f"{where} must be a mapping, but got {type(data).__name__}")
+        raise HycoError(f"{where or 'a recipe'} must be a mapping, but got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise HycoError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
-    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+        raise HycoError(_at(where, f"unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})"))
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ValueError as e:
-        raise HycoError(f"{where}: {e}") from None
+        raise HycoError(_at(where, str(e))) from None
     except TypeError as e:  # a required key is missing
-        raise HycoError(f"{where}: {e}") from None
+        raise HycoError(_at(where, str(e))) from None
+
+
+def _at(where: str, message: str) -> str:
+    """`message` prefixed with where it applies, unless it starts by naming a key there already
+    (`check.runs must be ...` in section `check`); `where` empty: the recipe's top level."""
+    return message if not where or message.startswith(f"{where}.") else f"{where}: {message}"
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:
@@ -639,9 +652,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """The recipe at `path` (over its `base`, if it names one) with `--set` overrides applied last."""
-    path = Path(path)
+    """The recipe at `path`, or the packaged recipe of that name (`find_recipe`), over its `base`
+    if it names one, with `--set` overrides applied last. A value an override made invalid is
+    blamed on the override, not on the file."""
+    path = find_recipe(path)
     data = read_recipe_mapping(path)
+    try:
+        return from_dict(Recipe, with_overrides(data, overrides), str(path))
+    except HycoError as error:
+        blamed = _override_error(data, overrides)
+        if blamed is None:
+            raise
+        raise blamed from error
+
+
+def with_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of a recipe mapping with each `--set KEY=VALUE` applied, in order."""
+    data = copy.deepcopy(data)
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -650,7 +677,63 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
             if not isinstance(node, dict):
                 raise HycoError(f"--set {text}: {k!r} is not a section")
         node[keys[-1]] = value
-    return from_dict(Recipe, data, str(path))
+    return data
+
+
+def _override_error(data: dict[str, Any], overrides: list[str]) -> HycoError | None:
+    """The error of a recipe its overrides made invalid, naming the override(s) the message is
+    about (all of them when it names none and the file alone is valid); None when the file is at
+    fault."""
+    if not overrides:
+        return None
+    try:
+        from_dict(Recipe, with_overrides(data, overrides), "")
+        return None
+    except HycoError as e:
+        message = str(e)
+    named = [t for t in overrides if _names_key(message, parse_override(t)[0])]
+    if not named and _is_valid(data):
+        named = list(overrides)
+    return HycoError(f"--set {', --set '.join(named)}: {message}") if named else None
+
+
+def _is_valid(data: dict[str, Any]) -> bool:
+    try:
+        from_dict(Recipe, data, "")
+    except HycoError:
+        return False
+    return True
+
+
+def _names_key(message: str, keys: list[str]) -> bool:
+    """Does an error message name the recipe key `keys` (as `check.runs`, or as an unknown key of
+    its section)?"""
+    dotted = re.escape(".".join(keys))
+    unknown = f"{re.escape('.'.join(keys[:-1]))}: unknown key '{re.escape(keys[-1])}'" if len(keys) > 1 else None
+    return bool(re.search(rf"(?<![\w.]){dotted}(?![\w])", message) or (unknown and re.search(unknown, message)))
+
+
+def packaged_recipes() -> dict[str, Path]:
+    """The recipes shipped in the package (the repo's recipes/ folder), name -> file."""
+    from importlib.resources import files
+
+    folder = Path(str(files("hyco.recipes")))
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def find_recipe(text: str | Path) -> Path:
+    """A recipe file: `text` as a path when it exists (a path wins over a packaged name), else the
+    packaged recipe named `text` (`tiny` or `tiny.yaml`). Paths inside a recipe (`out`, the
+    models) stay relative to the working directory either way; only `base:` is read beside it."""
+    path = Path(text)
+    if path.is_file():
+        return path
+    name = path.name.removesuffix(".yaml") if path.parent == Path(".") else None
+    packaged = packaged_recipes()
+    if name in packaged:
+        return packaged[name]
+    raise HycoError(f"recipe not found: {path} (neither a file nor a packaged recipe: "
+                    f"{', '.join(packaged)}; `hyco-convert recipes` describes them)")
 
 
 def read_recipe_mapping(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -670,7 +753,9 @@ def read_recipe_mapping(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
     base_path = (path.parent / base).resolve()
     if base_path in seen or base_path == path.resolve():
         raise HycoError(f"{path}: base {base} leads back to itself")
-    return _merged(read_recipe_mapping(base_path, (*seen, path.resolve())), data)
+    inherited = read_recipe_mapping(base_path, (*seen, path.resolve()))
+    inherited.pop("description", None)  # the base's says what the base is for
+    return _merged(inherited, data)
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -14,12 +14,20 @@ Every line is validated; a bad one is one error naming the file and the line.
 from __future__ import annotations
 
 import json
+import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from hyco.errors import HycoError
 
-SCHEMAS = ("chat", "spec-bench", "infinitebench-sum")
+# check.workload.schema -> what it decodes (check --help lists this registry)
+WORKLOADS = {
+    "chat": "the chat corpus's first user turns (the dataset section)",
+    "spec-bench": "Spec-Bench's question.jsonl (question_id, category, turns), from check.workload.source",
+    "infinitebench-sum": "InfiniteBench's longbook_sum_eng.jsonl (id, context, input), from check.workload.source",
+}
+SCHEMAS = tuple(WORKLOADS)
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,47 @@ def read_workload(path: Path, schema: str) -> list[Question]:
     if not questions:
         raise HycoError(f"{path}: no {schema} questions in the file")
     return questions
+
+
+@dataclass(frozen=True)
+class Subset:
+    """The questions check asks out of a workload file's, and how they were picked."""
+
+    questions: list[Question]
+    total: int  # questions in the file
+    seed: int
+
+    def text(self) -> str:
+        """One line for check's summary, e.g. "13 of 480 questions, 1 per category across 13
+        categories, seed 0"."""
+        counts = Counter(q.category for q in self.questions)
+        if len(self.questions) == self.total:
+            return f"all {self.total} questions ({len(counts)} categories)"
+        low, high = min(counts.values()), max(counts.values())
+        per = f"{low}" if low == high else f"{low}-{high}"
+        return (f"{len(self.questions)} of {self.total} questions, {per} per category across {len(counts)} "
+                f"categories, seed {self.seed}")
+
+
+def even_subset(questions: list[Question], count: int, seed: int) -> Subset:
+    """`count` questions spread evenly over the categories (a workload file lists its categories in
+    blocks, so its first questions would all be one kind): round-robin over the categories in the
+    file's order, each category's questions in an order shuffled by `seed`. The chosen keep the
+    file's order (a question's place keys its sampling seeds). All of them when `count` covers the
+    file."""
+    if count >= len(questions):
+        return Subset(list(questions), len(questions), seed)
+    rng = random.Random(seed)
+    by_category: dict[str, list[int]] = {}
+    for index, question in enumerate(questions):
+        by_category.setdefault(question.category, []).append(index)
+    queues = [rng.sample(indices, len(indices)) for indices in by_category.values()]
+    chosen: list[int] = []
+    while len(chosen) < count:
+        for queue in queues:
+            if queue and len(chosen) < count:
+                chosen.append(queue.pop())
+    return Subset([questions[i] for i in sorted(chosen)], len(questions), seed)
 
 
 def _spec_bench_line(record: dict, where: str) -> Question:

@@ -45,7 +45,7 @@ def _cmd_qat(args: argparse.Namespace, paths: dict, qat: QatConfig) -> int:
               "report.json, loss.png, agreement.png")
         warn_if_proof_failed(manifest)
         print(f"next: the check stage's MTP Drafter runs {out}/mtp_step.onnx with check.backend onnxruntime "
-              "(hyco-convert check --recipe RECIPE --set check.backend=onnxruntime)")
+              "(hyco-convert check RECIPE --set check.backend=onnxruntime)")
         return 0
 
     shared = {k: inputs[k] for k in ("verifier", "tokenizer", "answers")}

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hyco import verdict
 from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
 from hyco.errors import HycoError
 from hyco.heap import release_free_heap
@@ -164,8 +165,28 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
         report, lambda r: summary_md(r, bits), summary, parity["failure"] and f"parity {parity['failure']}",
         plots={"loss.png": lambda path: plot_loss(path, history),
                "agreement.png": lambda path: plot_agreement(path, results, bits)},
-        nondeterministic=[("summary.md", "prints this run's measured seconds per training step", None)]),
-        allow_parity_failure)
+        nondeterministic=[("summary.md", "prints this run's measured seconds per training step", None)],
+        verdict=verdict_lines(results, parity, bits)), allow_parity_failure)
+
+
+def verdict_lines(results: dict[str, dict], parity: dict[str, Any], bits: int) -> list[verdict.Line]:
+    """The two graph proofs (float step graph against transformers' head, quantized step graph
+    against its QuantSim weights), and how close the W4 head stays to the BF16 head."""
+    step = parity["step_graph_proof"]
+    float_ok = parity["float_vs_transformers_max_abs_logprob"] <= STEP_TOLERANCE and parity["float_top1_match"] == 1
+    qat, ptq = results[f"w{bits}_qat"], results[f"w{bits}_ptq"]
+    return [
+        verdict.proof("float step graph vs transformers' head", float_ok,
+                      f"max |log-prob diff| {parity['float_vs_transformers_max_abs_logprob']:.1e}, "
+                      f"top-1 {verdict.percent(parity['float_top1_match'])} over {parity['positions']} positions",
+                      f"{STEP_TOLERANCE:g}, top-1 100%"),
+        verdict.proof(f"W{bits} step graph vs its QuantSim weights", step["passed"],
+                      f"max |log-prob diff| {step['max_abs_logprob']:.1e}, top-k ids equal "
+                      f"{verdict.percent(step['topk_ids_equal'])}", f"{step['tolerance']:g}, ids 100%"),
+        verdict.Line(f"W{bits} head vs the BF16 head (held-out answers)", verdict.INFO,
+                     f"top-1 {verdict.percent(qat['top1_agreement'])} after QAT, {verdict.percent(ptq['top1_agreement'])} "
+                     f"by rounding alone; KL {qat['kl']:.3g} vs {ptq['kl']:.3g}"),
+    ]
 
 
 def read_inputs(tokenizer: Path, vocab: Path, answers: Path, assistant: Path, phase: Phases):
@@ -517,41 +538,97 @@ def step_graph_proof(out: Path, head, sim, feeds_list: list[dict], topk: int) ->
 
 
 def plot_loss(path: Path, history: list[dict]) -> None:
-    import matplotlib
+    from hyco.plots import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save(loss_figure(history), path)
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1.2)
+
+def loss_figure(history: list[dict]):
+    """The training loss per optimizer step, with a running mean: one sequence a step makes the raw
+    curve noisy, and the trend is what tells whether QAT converged."""
+    from hyco.plots import LOWER, better, new_figure, number
+
+    fig = new_figure(6.4, 3.6)
+    ax = fig.subplots()
+    steps = [h["step"] for h in history]
+    losses = [number(h.get("loss")) for h in history]
+    window = max(1, len(losses) // 10)
+    # the raw curve recedes behind its running mean where there is one
+    ax.plot(steps, losses, lw=0.8, color="tab:blue", alpha=0.45 if window > 1 else 1.0,
+            marker="." if len(losses) < 50 else None, label="per step")
+    if window > 1:
+        ax.plot(steps, _running_mean(losses, window), lw=1.8, color="tab:blue", label=f"mean of the last {window} steps")
+    if not history:
+        ax.text(0.5, 0.5, "no training steps", ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("KL(teacher || student)")
-    ax.set_title("W4 QAT of the MTP head: training loss")
+    ax.set_ylabel(better("KL(teacher || student) (nats per position)", LOWER))
+    ax.set_title("QAT of the MTP head: training loss", fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version string: same bytes anywhere
-    plt.close(fig)
+    if ax.lines:
+        ax.legend(fontsize=8, loc="lower left")  # the loss falls from the upper left: this corner stays empty
+    return fig
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the window - 1 before it (fewer at the start); NaNs (unmeasured) skipped."""
+    from hyco.plots import measured
+
+    out = []
+    for i in range(len(values)):
+        seen = [v for v in values[max(0, i - window + 1):i + 1] if measured(v)]
+        out.append(sum(seen) / len(seen) if seen else float("nan"))
+    return out
 
 
 def plot_agreement(path: Path, results: dict, bits: int) -> None:
-    import matplotlib
+    from hyco.plots import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save(agreement_figure(results, bits), path)
 
-    names = [f"w{bits}_ptq", f"w{bits}_qat", "w8_ptq"]
-    labels = [f"W{bits} PTQ\n(clip search)", f"W{bits} QAT", "W8 PTQ"]
-    values = [100 * results[n]["top1_agreement"] for n in names]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    bars = ax.bar(labels, values, color=["#999999", "#3366cc", "#66aa66"])
-    for b, v in zip(bars, values, strict=True):
-        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}%", ha="center", va="bottom")
-    ax.set_ylabel("top-1 agreement with the float head (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title("MTP head on the evaluation captures")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version string: same bytes anywhere
-    plt.close(fig)
+
+def agreement_figure(results: dict, bits: int):
+    """The head's fidelity to the float head on the evaluation captures, per quantization: top-1
+    agreement and KL side by side (a head can keep its top-1 and still lose probability mass)."""
+    from hyco.plots import HIGHER, LOWER, better, measured, new_figure, number
+
+    models = {f"w{bits}_ptq": (f"W{bits} PTQ\n(clip search)", "#999999"), f"w{bits}_qat": (f"W{bits} QAT", "#3366cc"),
+              "w8_ptq": ("W8 PTQ", "#66aa66")}
+    shown = [n for n in models if n in results]
+    labels, colors = [models[n][0] for n in shown], [models[n][1] for n in shown]
+    positions = sorted({results[n].get("positions") for n in shown} - {None})
+    fig = new_figure(9, 3.8)
+    top1_ax, kl_ax = fig.subplots(1, 2)
+    top1 = [100 * number(results[n].get("top1_agreement")) for n in shown]
+    _labelled_bars(top1_ax, labels, top1, colors, "{:.1f}%")
+    top1_ax.set_ylim(0, 110)  # room for the value above a bar near 100%
+    top1_ax.set_ylabel(better("top-1 agreement with the float head (%)", HIGHER))
+    top1_ax.set_title("Top-1 agreement", fontsize=10)
+    kl = [number(results[n].get("kl")) for n in shown]
+    _labelled_bars(kl_ax, labels, kl, colors, "{:.4f}")
+    kl_ax.set_ylim(0, 1.15 * max([v for v in kl if measured(v)] or [1.0]))
+    kl_ax.set_ylabel(better("KL divergence (nats per position)", LOWER))
+    kl_ax.set_title("KL divergence from the float head", fontsize=10)
+    for ax in (top1_ax, kl_ax):
+        ax.set_xlabel("MTP head weights")
+        ax.grid(axis="y", alpha=0.3)
+    count = f"{positions[0]:,} evaluation positions" if len(positions) == 1 else "the evaluation captures"
+    fig.suptitle(f"MTP head against the float head on {count}", fontsize=10)
+    return fig
+
+
+def _labelled_bars(ax, labels: list[str], values: list[float], colors: list[str], fmt: str) -> None:
+    """Bars with their values above them; an unmeasured (NaN) value keeps its place, marked as such."""
+    from hyco.plots import measured
+
+    places = range(len(labels))
+    heights = [v if measured(v) else 0.0 for v in values]
+    ax.bar(places, heights, color=colors)
+    for x, v, h in zip(places, values, heights, strict=True):
+        ax.text(x, h, fmt.format(v) if measured(v) else "not measured", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(places), labels)
+    ax.set_xlim(-0.6, max(len(labels), 1) - 0.4)
 
 
 def summary_md(report: dict, bits: int) -> str:

@@ -47,7 +47,7 @@ from hyco.runtime.configs import DecodeConfig
 from hyco.runtime.decode import DecodeLog, decode_bridged, verifier_alone
 from hyco.runtime.inputs import load_model, load_prompt_texts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
-from hyco.workloads import chat_ids, read_workload
+from hyco.workloads import chat_ids, even_subset, read_workload
 
 
 def bridge_figures(logs: list[DecodeLog], eos_ids: set[int]) -> dict[str, Any] | None:
@@ -129,7 +129,7 @@ def prompt_runs(config: CheckConfig, count: int, verifier_model, verifier_tok, s
     elif workload is None:
         raise HycoError(f"check.workload.schema {config.workload.schema!r} needs check.workload.source (the file)")
     else:
-        questions = read_workload(workload, config.workload.schema)[:count]
+        questions = even_subset(read_workload(workload, config.workload.schema), count, config.seed).questions
     runs, selection = [], None
     for r in range(config.runs):
         run_config = replace(config, seed=config.seed + RUN_SEED_STEP * r)
@@ -189,7 +189,9 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
         raise HycoError(f"{verifier}/generation_config.json: no eos_token_id (the verifier's end of turn)")
     bridge = TokenBridge(slm_tok, verifier_tok, slm_eos=model_end_of_turn_ids(slm, slm_tok), verifier_eos=eos_ids_of(verifier_model)[0])
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
-    count = prompts or config.prompts
+    count = config.prompts if prompts is None else prompts
+    if count < 1:  # 0 is a count, not "unset": a check of no prompt measures nothing
+        raise HycoError(f"the prompt count must be >= 1, but got {count}")
     runs = prompt_runs(config, count, verifier_model, verifier_tok, slm_tok, sampling, eos, vocab_dir=vocab_dir,
                        dataset=dataset, workload=workload)
     _, _, _, verifier_prompts, slm_prompts, items, selection = runs[0]

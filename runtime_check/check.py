@@ -26,7 +26,7 @@ from hyco.runtime.decode import DecodeLog, decode, decode_alone
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
 from hyco.runtime.inputs import load_model, load_prompts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
-from hyco.workloads import chat_ids, read_workload
+from hyco.workloads import Subset, chat_ids, even_subset, read_workload
 
 
 @dataclass(frozen=True)
@@ -339,15 +339,19 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
             raise HycoError(f"{path}: vocabulary of {model.config.get_text_config().vocab_size} tokens, but the "
                             f"verifier {verifier} has {vocab_size} (the drafters must share its tokenizer)")
     keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
-    count = prompts or config.prompts
+    count = config.prompts if prompts is None else prompts
+    if count < 1:  # 0 is a count, not "unset": a check of no prompt measures nothing
+        raise HycoError(f"the prompt count must be >= 1, but got {count}")
     eos = set(eos_ids_of(verifier_model))
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
+    subset = None  # a file workload's questions, picked evenly over its categories
     if config.workload.schema == "chat":
         candidates = load_prompts(tok, vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
     else:
         if workload is None:
             raise HycoError(f"check.workload.schema {config.workload.schema!r} needs check.workload.source (the file)")
-        questions = read_workload(workload, config.workload.schema)[:count]
+        subset = even_subset(read_workload(workload, config.workload.schema), count, config.seed)
+        questions = subset.questions
     # Each run samples with its own seed (check.runs); the chat prompts are chosen once, on the first
     # run's reference texts. A file workload's second turns follow each run's own first answers.
     runs, selection = [], None
@@ -409,7 +413,8 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     paired = paired_mats({n: v for n, v in all_logs.items() if not results[n]["alone"]}, pooled_items,
                          config.bootstrap_resamples, config.seed)
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
-                "workload": workload_stats(config, workload, items, [t for t, _ in reference]), "paired_mat": paired,
+                "workload": workload_stats(config, workload, items, [t for t, _ in reference], subset),
+                "paired_mat": paired,
                 "prompt_selection": selection,
                 "prompt_tokens_mean": float(np.mean([len(p) for p in prompt_ids])),
                 "keep_set": int(len(keep_ids)) if keep_ids is not None else None, "vocab_size": vocab_size,
@@ -555,12 +560,15 @@ def by_category(logs: list[DecodeLog], items: list[dict], keep, config: CheckCon
     return out
 
 
-def workload_stats(config: CheckConfig, workload: Path | None, items: list[dict], texts: list[list[int]]) -> dict:
-    """What the figures were computed on: the workload, its questions, turns and categories, and
-    the verifier's reference texts' statistics (a text mostly one token measures nothing)."""
+def workload_stats(config: CheckConfig, workload: Path | None, items: list[dict], texts: list[list[int]],
+                   subset: Subset | None = None) -> dict:
+    """What the figures were computed on: the workload, its questions (`subset`: how a file's were
+    picked), turns and categories, and the verifier's reference texts' statistics (a text mostly
+    one token measures nothing)."""
     from hyco.answers import text_stats
 
     return {"schema": config.workload.schema, "source": str(workload) if workload else None,
+            "selection": subset.text() if subset is not None else None,
             "questions": len({it["question_id"] for it in items}), "prompts": len(items),
             "second_turns": sum(it["turn"] == 2 for it in items),
             "categories": {c: sum(it["category"] == c for it in items) for c in dict.fromkeys(it["category"] for it in items)},

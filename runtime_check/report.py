@@ -8,6 +8,7 @@ from typing import Any
 from hyco.runtime_check.costs import INPUTS, plot_figure1
 from hyco.runtime_check.costs import markdown as costs_markdown
 
+from hyco import verdict
 from hyco.artifacts import StageEnd, finish_stage, markdown_table, write_json
 
 # Paper, Table 2 (SB-480, Gemma 4 26B-A4B with its real drafters). Shown in a table of its own:
@@ -42,8 +43,66 @@ def write_report(out: Path, results: dict[str, dict], settings: dict[str, Any],
                            for name, r in results.items()}}
     # no proof that stops the stage: a lossless verdict of False is the finding this stage reports
     return finish_stage("check", out, StageEnd(
-        report, summary_markdown, summary, plots=plots, nondeterministic=varies),
+        report, summary_markdown, summary, plots=plots, nondeterministic=varies, verdict=verdict_lines(report),
+        verdict_varies="the server's measured pass times (Delta-g, tok/s)" if costs is not None else ""),
         allow_parity_failure=False)
+
+
+HEADLINE, BASELINE = "hyco", "cloud-mtp"
+
+
+def verdict_lines(report: dict[str, Any]) -> list[verdict.Line]:
+    """Lossless where it must be, the headline MAT against Cloud+MTP with their intervals, and
+    whether HyCo pays off: its Delta-g and delivery speed with the sources of their times."""
+    lossless, results, workload = report["lossless"], report["configs"], report["settings"].get("workload")
+    equal = [n for n, v in lossless.items() if v["equal"]]
+    first = next(iter(lossless.values()), {})
+    lines = [verdict.proof("lossless: exact configurations commit the verifier's own text", len(equal) == len(lossless)
+                           if lossless else None,
+                           f"{len(equal)}/{len(lossless)} configurations, {first.get('tokens_compared')} tokens each "
+                           f"({first.get('distinct_tokens')} distinct)", "every token equal",
+                           off="no exact configuration in check.configs")]
+    if HEADLINE in results and BASELINE in results:
+        lines.append(mat_line(results, workload))
+    costs = report.get("costs")
+    if costs and HEADLINE in costs["rows"]:
+        lines.append(payoff_line(costs))
+    return lines
+
+
+def mat_line(results: dict[str, Any], workload: dict[str, Any] | None) -> verdict.Line:
+    """The headline MATs with their intervals, and the text they were measured on."""
+    figure = f"{_mat(results[HEADLINE])} vs {_mat(results[BASELINE])}"
+    text = (workload or {}).get("reference_text")
+    if not text:
+        return verdict.Line("MAT, HyCo vs Cloud+MTP (95% CI)", verdict.INFO, figure)
+    figure += (f"; {workload['prompts']} prompts ({workload['schema']}); reference text {text['tokens']} tokens, "
+               f"{text['distinct_tokens']} distinct, the most frequent {verdict.percent(text['top_share'])}")
+    if text["degenerate"]:
+        figure += "; degenerate text (one token over half of it, or under 20 distinct): these MATs measure little"
+    return verdict.Line("MAT, HyCo vs Cloud+MTP (95% CI)", verdict.WARN if text["degenerate"] else verdict.INFO, figure)
+
+
+def _mat(r: dict[str, Any]) -> str:
+    ci = r.get("mat_ci") or {}
+    low, high = (ci.get("ci") or (None, None))
+    return f"{r['mat']:.2f}" + (f" [{low:.2f}-{high:.2f}]" if low is not None else "")
+
+
+def payoff_line(costs: dict[str, Any]) -> verdict.Line:
+    """Table 2's question in one line: does HyCo cut the server's time per token, at what speed."""
+    rows, reference = costs["rows"], costs["reference"]
+    hyco, base, alone = rows[HEADLINE], rows.get(reference, {}), rows.get("slm-alone", {})
+    dg = hyco.get("delta_g_percent")
+    word = "n/a" if dg is None else "yes" if dg < 0 else "no"
+    figure = (f"{word}: Delta-g {dg:+.1f}% against {base.get('label', reference)} (g {hyco['g_ms']:.2f} vs "
+              f"{base.get('g_ms', float('nan')):.2f} ms per token)" if dg is not None else "n/a: no reference g")
+    if hyco.get("tok_s") is not None:
+        figure += f", {hyco['tok_s']:.1f} tok/s" + (f" vs the SLM alone's {alone['tok_s']:.1f}" if alone.get("tok_s") else "")
+    sources = costs["sources"]
+    where = "server timed on this CPU, not a server GPU" if costs["server_on_cpu"] else f"server: {sources['server']}"
+    figure += f" ({where}; phone: {sources.get('phone tree', 'n/a').split(',')[0]})"
+    return verdict.Line("pays off: server time per token (Table 2)", verdict.INFO, figure, "Delta-g < 0")
 
 
 def summary_markdown(report: dict[str, Any]) -> str:
@@ -55,6 +114,8 @@ def summary_markdown(report: dict[str, Any]) -> str:
           f"{settings['check']['max_new_tokens']} new tokens each; temperature {settings['check']['temperature']}, "
           f"top-k {settings['check']['top_k']}, top-p {settings['check']['top_p']}; keep set "
           f"{settings['keep_set'] or 'none (full vocabulary)'} of {settings['vocab_size']}.", "",
+          *(costs_markdown(report["costs"]) + ["![Figure 1](figure1.png)", ""] if "costs" in report else []),
+          "## Acceptance per configuration", "", "![check](check.png)", "",
           markdown_table(rows, COLUMNS),
           "MAT: tokens committed per round (accepted + bonus), up to and including the first EOS; with "
           "check.runs above 1 the mean of the runs' MATs (each its own sampling seed), mat_sd_runs their SD. "
@@ -78,10 +139,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
           "figures above come from the tiny fixture models on the fixture's prompts, so the two columns measure "
           "different models on different text and must not be compared number for number.", "",
           markdown_table([{"config": n, "label": results[n]["label"], "paper_mat": PAPER_MAT[n]}
-                          for n in results if n in PAPER_MAT], ["config", "label", "paper_mat"]),
-          "![check](check.png)", ""]
-    if "costs" in report:
-        md += costs_markdown(report["costs"]) + ["![Figure 1](figure1.png)", ""]
+                          for n in results if n in PAPER_MAT], ["config", "label", "paper_mat"])]
     return "\n".join(md)
 
 
@@ -194,7 +252,8 @@ def _workload_lines(settings: dict[str, Any], results: dict[str, dict]) -> list[
     text = w["reference_text"]
     md = ["## Workload and confidence intervals", "",
           f"{w['schema']}{' from ' + w['source'] if w['source'] else ''}: {w['questions']} questions, {w['prompts']} "
-          f"prompts ({w['second_turns']} second turns, each asked after the verifier's own first answer); categories "
+          f"prompts ({w['second_turns']} second turns, each asked after the verifier's own first answer); "
+          + (f"questions: {w['selection']}; " if w.get("selection") else "") + "categories "
           + ", ".join(f"{c} {n}" for c, n in w["categories"].items()) + f". The verifier's reference texts: "
           f"{text['tokens']} tokens, {text['distinct_tokens']} distinct, the most frequent {100 * text['top_share']:.1f}%.",
           "",
@@ -231,34 +290,111 @@ def _blank(value):
 
 
 def _plot(path: Path, results: dict[str, dict]) -> None:
-    import matplotlib
+    from hyco.plots import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save(check_figure(results), path, dpi=100)
+
+
+ROWS_AT_LEAST = 6  # a check of one or two configurations keeps bars of the usual thickness
+
+
+def check_figure(results: dict[str, dict]):
+    """check.png: MAT with its 95% interval, where the accepted draft tokens came from, and MTP chain
+    acceptance per depth. One horizontal bar per configuration, so a dozen names stay legible."""
+    from hyco.plots import new_figure
 
     names = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].bar(names, [results[n]["mat"] for n in names], color="tab:blue")
-    axes[0].set_title("MAT (tokens per round)")
-    axes[0].tick_params(axis="x", rotation=30)
-    for n in names:
-        chain = results[n]["chain_acceptance_cumulative"]
+    # the height grows with the configurations, a row of bars each
+    fig = new_figure(16, 2.0 + 0.34 * max(len(names), ROWS_AT_LEAST))
+    mat_ax, source_ax, chain_ax = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    _mat_bars(mat_ax, names, results)
+    source_ax.sharey(mat_ax)
+    _source_bars(source_ax, names, results)
+    _chain_lines(chain_ax, names, results)
+    return fig
+
+
+def _mat_bars(ax, names: list[str], results: dict[str, dict]) -> None:
+    from hyco.plots import HIGHER, better, measured, number
+
+    mats = [number(results[n].get("mat")) for n in names]
+    intervals = [_mat_interval(results[n]) for n in names]
+    rows = range(len(names))
+    ax.barh(rows, mats, color="tab:blue", height=0.6)
+    # configurations without an interval (a check of one question) get a bar and no whisker
+    whiskered = [i for i in rows if intervals[i] and measured(mats[i])]
+    if whiskered:
+        below = [max(mats[i] - intervals[i][0], 0.0) for i in whiskered]
+        above = [max(intervals[i][1] - mats[i], 0.0) for i in whiskered]
+        ax.errorbar([mats[i] for i in whiskered], whiskered, xerr=[below, above], fmt="none", ecolor="black",
+                    capsize=3, lw=1)
+    ends = [max([m, *(ci or [])]) if measured(m) else 0.0 for m, ci in zip(mats, intervals, strict=True)]
+    for i in rows:
+        ax.text(ends[i], i, f" {mats[i]:.2f}" if measured(mats[i]) else " not measured", va="center", fontsize=8)
+    # one token a round is what decoding without a drafter commits
+    ax.axvline(1.0, color="0.5", ls=":", lw=1)
+    ax.set_xlim(0, 1.18 * max([1.0, *ends]))  # room for the value after the longest whisker
+    ax.set_yticks(list(rows), names)
+    ax.set_ylim(max(len(names), ROWS_AT_LEAST) - 0.5, -0.5)  # the first configuration at the top
+    ax.set_xlabel(better("MAT: tokens committed per verifier round", HIGHER)
+                  + "\nwhiskers: 95% interval; dotted line: 1 token a round (no drafting)")
+    ax.set_ylabel("configuration")
+    ax.set_title("MAT per configuration", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _mat_interval(r: dict) -> tuple[float, float] | None:
+    ci = (r.get("mat_ci") or {}).get("ci")
+    if not ci or any(v is None for v in ci):
+        return None
+    return float(ci[0]), float(ci[1])
+
+
+SOURCES = {"chain": ("tab:green", "MTP chain"), "sibling": ("tab:orange", "chain siblings"),
+           "slm": ("tab:purple", "SLM")}
+
+
+def _source_bars(ax, names: list[str], results: dict[str, dict]) -> None:
+    from hyco.plots import legend_outside, measured, number
+
+    rows = range(len(names))
+    left = [0.0] * len(names)
+    for source, (color, label) in SOURCES.items():
+        values = [100 * number((results[n].get("accepted_share_by_source") or {}).get(source)) for n in names]
+        ax.barh(rows, values, left=left, height=0.6, color=color, label=label)
+        left = [a + (v if measured(v) else 0.0) for a, v in zip(left, values, strict=True)]
+    for i, total in enumerate(left):
+        if total == 0:  # the SLM alone, or a run that accepted nothing: no bar to read
+            ax.text(2, i, "no accepted draft tokens", va="center", fontsize=8, color="0.4")
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of the accepted draft tokens (%)")
+    ax.set_ylabel("configuration")
+    ax.set_title("Drafter of each accepted token", fontsize=10)
+    if names:  # an empty bar set has no colour for the legend to show
+        legend_outside(ax)
+
+
+def _chain_lines(ax, names: list[str], results: dict[str, dict]) -> None:
+    from hyco.plots import HIGHER, better, legend_outside, number
+
+    markers = "osD^v<>ph*"
+    depth = 1
+    for i, n in enumerate(names):
+        chain = results[n].get("chain_acceptance_cumulative") or []
         if chain:
-            axes[1].plot(range(1, len(chain) + 1), chain, marker="o", label=n)
-    axes[1].set_title("chain acceptance, cumulative per depth")
-    axes[1].set_xlabel("depth k")
-    axes[1].set_xticks(range(1, 1 + max((len(results[n]["chain_acceptance_cumulative"]) for n in names), default=1)))
-    axes[1].set_ylim(0, 1)
-    if axes[1].lines:
-        axes[1].legend()
-    bottom = [0.0] * len(names)
-    for source, color in (("chain", "tab:green"), ("sibling", "tab:orange"), ("slm", "tab:purple")):
-        values = [results[n]["accepted_share_by_source"][source] for n in names]
-        axes[2].bar(names, values, bottom=bottom, label=source, color=color)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    axes[2].set_title("accepted tokens by source")
-    axes[2].tick_params(axis="x", rotation=30)
-    axes[2].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version string: same bytes anywhere
-    plt.close(fig)
+            depth = max(depth, len(chain))
+            # configurations with the same curve (a drafter and its float twin) stay told apart by marker
+            ax.plot(range(1, len(chain) + 1), [100 * number(v) for v in chain], marker=markers[i % len(markers)],
+                    ms=5, lw=1.2, label=n)
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no configuration drafts an MTP chain", ha="center", va="center",
+                transform=ax.transAxes, color="0.4")
+    ax.set_xticks(range(1, depth + 1))
+    ax.set_xlim(0.7, depth + 0.3)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("chain depth k (draft tokens along the MTP chain)")
+    ax.set_ylabel(better("rounds accepting chain tokens 1..k (%)", HIGHER))
+    ax.set_title("MTP chain acceptance by depth", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        legend_outside(ax)

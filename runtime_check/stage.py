@@ -23,9 +23,13 @@ def phone_shapes(recipe: Recipe) -> dict[str, Any]:
             "capture_point": recipe.qat.capture_point}
 
 
+# How a file workload's subset is picked: a check folder picked another way is not reused
+SUBSET_RULE = "even over categories, seeded"
+
+
 def section(recipe: Recipe) -> dict[str, Any]:
     return {"check": to_dict(recipe.check), "dataset": to_dict(recipe.dataset), "phone": phone_shapes(recipe),
-            "placement": to_dict(recipe.placement)}
+            "placement": to_dict(recipe.placement), "subset": SUBSET_RULE}
 
 
 def bridged(recipe: Recipe) -> bool:

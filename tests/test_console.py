@@ -64,3 +64,32 @@ def test_stage_log_takes_python_c_level_and_child_output_but_not_our_warnings(tm
     assert "child" not in seen.out + seen.err and "C++" not in seen.err
     os.write(2, b"after\n")  # fds are back
     assert capfd.readouterr().err == "after\n"
+
+
+def test_known_library_warnings_are_marked_with_why_and_counted_apart(tmp_path):
+    """A warning of KNOWN_WARNINGS (through `warnings` or the root logger) is logged with the reason
+    it is harmless and counted as known; any other stays an unexplained warning."""
+    import logging
+
+    from hyco.console import KNOWN_WARNINGS
+
+    log = tmp_path / "stage.log"
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    with warnings.catch_warnings(), stage_log(log) as counts:
+        warnings.simplefilter("always")
+        warnings.warn_explicit("Converting a tensor to a Python boolean might cause the trace to be incorrect.",
+                               UserWarning, "lib.py", 3)
+        logging.getLogger().warning("Please consider to run pre-processing before quantization. Refer to example")
+        warnings.warn_explicit("something nobody has looked at", UserWarning, "lib.py", 9)
+        logging.getLogger().warning("an unknown logged warning")
+    logging.getLogger().removeHandler(handler)
+    text = log.read_text()
+    assert counts.known == 2 and counts.warnings == 2, (counts, text)
+    assert text.count("[known: ") == 1 and "static by design" in text
+    assert logged[0].startswith("[known: ") and "finds nothing to do" in logged[0]
+    assert logged[1] == "an unknown logged warning"
+    assert counts.record()["known_warnings"] == 2
+    assert all(why for _, why in KNOWN_WARNINGS)

@@ -134,6 +134,10 @@ def test_phone_figures_come_from_the_first_source_that_has_them(tmp_path):
     ({"graphs": {"tree": {"median_ms": -1}}}, r"graphs.tree.median_ms must be a positive number"),
     ({"graphs": {"tree": {"p50": 3}}}, r"graphs.tree.median_ms must be"),
     ({"graphs": {"tree": {"median_ms": 3}}, "host_ms_per_round": "x"}, "host_ms_per_round must be a number"),
+    # json.loads reads NaN and Infinity, which slip past `> 0` / `< 0`; a bool is an int to isinstance
+    ({"graphs": {"tree": {"median_ms": float("inf")}}}, r"graphs.tree.median_ms must be a positive number"),
+    ({"graphs": {"tree": {"median_ms": True}}}, r"graphs.tree.median_ms must be a positive number"),
+    ({"graphs": {"tree": {"median_ms": 3}}, "host_ms_per_round": float("nan")}, "host_ms_per_round must be a number"),
 ])
 def test_a_bad_phone_profile_is_named(tmp_path, content, match):
     path = tmp_path / "profile.json"

@@ -36,6 +36,8 @@ def test_every_stage_writes_its_folder_and_manifest(run_dir):
     assert (run_dir / "run_summary.md").read_text().startswith("# Run of recipe `tiny`")
     # no temp folder survives a finished run, and no report names one (they name final paths)
     assert not [p for p in run_dir.iterdir() if ".tmp-" in p.name]
+    # nor a stage's scratch folder, nor anything a library recreated inside one after it went
+    assert not [p for p in run_dir.iterdir() if ".scratch-" in p.name]
     written = [p for p in run_dir.rglob("*") if p.suffix in (".md", ".json") and p.is_file()]
     assert len(written) > 2 * len(stages)
     assert not [p for p in written if any(t in p.read_text() for t in (".tmp-", ".scratch-"))]

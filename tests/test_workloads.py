@@ -65,6 +65,47 @@ def test_a_missing_or_empty_workload_file_is_refused(tmp_path):
         read_workload(write_lines(tmp_path / "empty.jsonl", []), "spec-bench")
 
 
+# Spec-Bench's SB-480 layout: its categories in blocks, the five of 80 questions first
+SB480 = [("translation", 80), ("summarization", 80), ("qa", 80), ("math_reasoning", 80), ("rag", 80), ("writing", 10),
+         ("roleplay", 10), ("reasoning", 10), ("math", 10), ("coding", 10), ("extraction", 10), ("stem", 10),
+         ("humanities", 10)]
+
+
+def sb480(tmp_path: Path) -> list:
+    records = [{"question_id": f"{category}_{i}", "category": category, "turns": [f"{category} question {i}?"]}
+               for category, n in SB480 for i in range(n)]
+    return read_workload(write_lines(tmp_path / "question.jsonl", records), "spec-bench")
+
+
+def test_a_subset_of_a_spec_bench_file_spans_its_categories(tmp_path):
+    from hyco.workloads import even_subset
+
+    questions = sb480(tmp_path)
+    subset = even_subset(questions, 13, seed=0)
+    assert sorted(q.category for q in subset.questions) == sorted(c for c, _ in SB480)  # one of each, not 13 writing
+    assert subset.text() == "13 of 480 questions, 1 per category across 13 categories, seed 0"
+    order = [questions.index(q) for q in subset.questions]
+    assert order == sorted(order)  # the file's order: a question's place keys its sampling seeds
+    assert even_subset(questions, 13, seed=0) == subset  # deterministic
+    assert any(even_subset(questions, 13, seed=s).questions != subset.questions for s in (1, 2, 3))
+    twenty = even_subset(questions, 20, seed=0)
+    counts = {c: sum(q.category == c for q in twenty.questions) for c, _ in SB480}
+    assert sorted(counts.values()) == [1] * 6 + [2] * 7
+    assert twenty.text() == "20 of 480 questions, 1-2 per category across 13 categories, seed 0"
+    everything = even_subset(questions, 480, seed=5)
+    assert everything.questions == questions and everything.text() == "all 480 questions (13 categories)"
+
+
+def test_a_category_with_fewer_questions_than_its_share_gives_way_to_the_others(tmp_path):
+    from hyco.workloads import even_subset
+
+    questions = sb480(tmp_path)[:410]  # rag (80), then writing, the only small one, cut to 10
+    subset = even_subset(questions, 70, seed=0)  # 11-12 a category, but writing has 10
+    counts = {c: sum(q.category == c for q in subset.questions) for c in dict.fromkeys(q.category for q in questions)}
+    assert counts["writing"] == 10 and sum(counts.values()) == 70
+    assert {n for c, n in counts.items() if c != "writing"} == {12}
+
+
 # --- the bootstrap, against closed forms ---------------------------------------------------------
 
 

@@ -53,26 +53,54 @@ def share_at(sizes: np.ndarray, share: np.ndarray, n: int) -> float:
 
 
 def plot_coverage(path: Path, sizes: np.ndarray, share: np.ndarray, marks: list[dict], requested: int, title: str) -> None:
-    import matplotlib
+    from hyco.plots import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save(coverage_figure(sizes, share, marks, requested, title), path, dpi=100)
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    ax.plot(sizes, 100 * share, color="tab:blue", lw=1.5, label="held-out assistant tokens outside the keep set")
+
+def coverage_figure(sizes: np.ndarray, share: np.ndarray, marks: list[dict], requested: int, title: str):
+    """The outside share against the keep-set size, each comparison size marked with its size in
+    this vocabulary (the paper's sizes scaled to it) and the requested size as a red point."""
+    from hyco.plots import LOWER, better, new_figure
+
+    vocab_size = int(sizes[-1]) if len(sizes) else max([requested, *(m["size"] for m in marks)])
+    fig = new_figure(7.0, 4.4)
+    ax = fig.subplots()
+    ax.plot(sizes, 100 * share, color="tab:blue", lw=1.5, label="held-out tokens outside the keep set")
     for m in marks:
-        ax.axvline(m["size"], color="0.6", lw=0.8, ls=":")
-        short = m["label"].split(" scaled")[0]  # the scale factor is in report.json
-        ax.annotate(f"{short} ({m['size']})\n{100 * m['outside_share']:.2f}%", (m["size"], 100 * m["outside_share"]),
-                    fontsize=7, xytext=(3, 6), textcoords="offset points")
-    ax.plot([requested], [100 * share_at(sizes, share, requested)], "o", color="tab:red", label=f"requested N = {requested}")
-    ax.set_xlabel("keep-set size (tokens)")
-    ax.set_ylabel("outside the keep set (%)")
+        _mark(ax, m, vocab_size)
+    outside = 100 * share_at(sizes, share, requested)
+    ax.plot([requested], [outside], "o", color="tab:red", zorder=3,
+            label=f"requested keep set: {requested:,} tokens, {outside:.1f}% outside")
+    ax.set_xlim(0, vocab_size * 1.02)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel(f"keep-set size (tokens, of a {vocab_size:,}-token vocabulary)")
+    ax.set_ylabel(better("held-out tokens outside the keep set (%)", LOWER))
     ax.set_title(title, fontsize=9)
-    ax.set_ylim(0, 115)  # room for the labels above the curve
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    # No Software/date metadata: two runs must write the same bytes.
-    fig.savefig(path, metadata={"Software": None})
-    plt.close(fig)
+    ax.legend(fontsize=8, loc="upper right")  # the curve falls to the lower right, leaving this corner empty
+    return fig
+
+
+def mark_label(m: dict) -> str:
+    """A comparison size as this vocabulary has it: "409 (paper's 21K, scaled)"; the full vocabulary as such."""
+    if m["label"] == "full":
+        return f"{m['size']:,} (full vocabulary)"
+    paper = REFERENCE_LABELS.get(m["paper_size"], f"{m['paper_size']:,}")
+    if m["size"] == m["paper_size"]:
+        return f"{m['size']:,} (paper's {paper})"
+    return f"{m['size']:,} (paper's {paper}, scaled)"
+
+
+def _mark(ax, m: dict, vocab_size: int) -> None:
+    x, y = m["size"], 100 * m["outside_share"]
+    ax.axvline(x, color="0.6", lw=0.8, ls=":")
+    ax.plot([x], [y], "o", color="0.3", ms=4)
+    # a label sits right of its point, left of it in the last quarter and below it near the top, so
+    # that it stays inside the axes; a white box keeps the curve from running through the text
+    right_end, top = x > 0.75 * vocab_size, y > 80
+    raised = "\nraised to the always-kept set" if m.get("note") else ""
+    ax.annotate(f"{mark_label(m)}{raised}\n{y:.1f}% outside", (x, y), fontsize=7, textcoords="offset points",
+                xytext=(-6 if right_end else 6, -6 if top else 8), ha="right" if right_end else "left",
+                va="top" if top else "bottom",
+                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85})

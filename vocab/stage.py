@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 from hyco.vocab.corpus import Deal, TokenCounter, assistant_view, deal
-from hyco.vocab.coverage import comparison_sizes, outside_share_curve, plot_coverage, share_at
+from hyco.vocab.coverage import comparison_sizes, mark_label, outside_share_curve, plot_coverage, share_at
 
+from hyco import verdict
 from hyco.artifacts import StageEnd, fingerprint, finish_stage, markdown_table, write_json
 from hyco.chat import PACKAGED, iter_conversations
 from hyco.console import progress
@@ -139,8 +140,11 @@ def build_vocab(*, tokenizer: Path, dataset: DatasetConfig, config: VocabConfig,
         "requested": report["requested"], "got": report["got"],
     }
     # no proof: every refusal (keep set too small for what is always kept, no assistant text) came above
-    return finish_stage("vocab", out, StageEnd(report, _summary_markdown, summary, plots={"coverage.png": plot}),
-                        allow_parity_failure=False)
+    lines = [verdict.Line("keep set", verdict.INFO,
+                          f"{config.size:,} of {vocab_size:,} tokens; {verdict.percent(report['outside_share'])} of "
+                          f"{report['heldout_assistant_tokens']:,} held-out assistant tokens fall outside it")]
+    return finish_stage("vocab", out, StageEnd(report, _summary_markdown, summary, plots={"coverage.png": plot},
+                                               verdict=lines), allow_parity_failure=False)
 
 
 def _coverage_report(counters, always, config: VocabConfig, vocab_size, keep_set, main: Deal, heldout_ids, view_label,
@@ -181,7 +185,8 @@ def _coverage_report(counters, always, config: VocabConfig, vocab_size, keep_set
     }
     if counters["heldout"].tokens == 0:
         report["warning"] = "no held-out assistant tokens: coverage figures are 0 by convention"
-    title = f"{len(heldout_ids)} held-out conversations, {counters['heldout'].tokens} assistant tokens"
+    title = (f"Keep-set coverage on {len(heldout_ids):,} held-out conversations "
+             f"({counters['heldout'].tokens:,} assistant tokens)")
     return report, lambda path: plot_coverage(path, sizes, share, marks, config.size, title)
 
 
@@ -191,7 +196,7 @@ def _frequent_ids(keep_set, always_ids) -> np.ndarray:
 
 def _summary_markdown(report: dict) -> str:
     c, a = report["categories"], report["always_kept"]
-    rows = [{"keep set": m["label"], "size": m["size"], "outside (%)": round(100 * m["outside_share"], 3)}
+    rows = [{"keep set": mark_label(m), "size": m["size"], "outside (%)": round(100 * m["outside_share"], 3)}
             for m in report["comparison"]]
     rows.insert(0, {"keep set": "requested", "size": report["size"], "outside (%)": round(100 * report["outside_share"], 3)})
     short = [p for p, n in report["requested"].items() if report["got"][p] < n]

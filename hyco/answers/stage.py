@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hyco import verdict
 from hyco.artifacts import StageEnd, finish_stage, markdown_table
 from hyco.errors import HycoError
 from hyco.recipe import AnswersConfig, PlacementConfig, Recipe, to_dict
@@ -78,8 +79,22 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
                "degenerate": {split: s["degenerate"] for split, s in report["stats"].items()}}
     # no proof: degenerate text is warned about (summary.md, answers.json), the consumers decide
     return finish_stage("answers", out, StageEnd(report, _summary_markdown, summary,
-                                                 nondeterministic=[("summary.md", "prints this run's wall time", None)]),
+                                                 nondeterministic=[("summary.md", "prints this run's wall time", None)],
+                                                 verdict=verdict_lines(report)),
                         allow_parity_failure=False)
+
+
+def verdict_lines(report: dict[str, Any]) -> list[verdict.Line]:
+    """Whether the text qat and calibrate will measure on is natural: an answer set that is mostly
+    one token makes their figures say nothing (a warning; the consumers decide)."""
+    lines = []
+    for split, s in report["stats"].items():
+        if split == "all":
+            continue
+        lines.append(verdict.Line(f"{split} answers ({report['source']})", verdict.WARN if s["degenerate"] else verdict.INFO,
+                                  f"{s['answers']} answers, {s['tokens']:,} tokens, {s['distinct_tokens']:,} distinct, "
+                                  f"the most frequent {verdict.percent(s['top_share'])}", "most frequent token under 50%"))
+    return lines
 
 
 def _summary_markdown(report: dict[str, Any]) -> str:

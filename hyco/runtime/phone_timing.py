@@ -60,13 +60,19 @@ def read_profile(path: Path | str) -> dict:
         if name not in GRAPHS:
             raise HycoError(f"{path}: graphs.{name}: unknown graph (known: {list(GRAPHS)})")
         value = entry.get("median_ms") if isinstance(entry, dict) else None
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        if not _number(value) or not value > 0:
             raise HycoError(f"{path}: graphs.{name}.median_ms must be a positive number of milliseconds, "
                             f"but got {value!r}")
     host = data.get("host_ms_per_round", 0.0)
-    if not isinstance(host, int | float) or host < 0:
+    if not _number(host) or host < 0:
         raise HycoError(f"{path}: host_ms_per_round must be a number >= 0, but got {host!r}")
     return data
+
+
+def _number(value) -> bool:
+    """A finite JSON number: json.loads reads NaN and Infinity, which pass `> 0` or `< 0` tests
+    the wrong way, and a bool is an int to isinstance."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def hub_times(hub_json: Path) -> dict[str, tuple[float, str]]:
