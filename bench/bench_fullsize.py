@@ -212,15 +212,21 @@ def file_size(path: Path) -> int | None:
     return path.stat().st_size if path.is_file() else None
 
 
-def int2_note(encodings: Path, paper: float) -> str | None:
-    """The SLM graph's integer weights with its 2-bit weights counted at 2 bits (`two_bit_cost`)."""
+def int2_note(encodings: Path, paper: float, export_report: Path | None = None) -> str | None:
+    """The SLM graph's integer weights with its 2-bit weights counted at 2 bits (`two_bit_cost`),
+    and how export shipped them where it ran (its report's footprint)."""
     from hyco.bundle import two_bit_cost
 
-    cost = two_bit_cost(encodings)
+    shipped = None
+    if export_report is not None and export_report.is_file():
+        shipped = (json.loads(export_report.read_text()).get("footprint") or {}).get("two_bit_weights")
+    cost = shipped or two_bit_cost(encodings)
     if cost is None:
         return None
     at_bits = cost["integer_weight_bytes_at_own_width"]
-    return (f"2-bit weights ({cost['bytes_at_2_bits'] / 1e6:,.1f} MB at 2 bits) travel in INT4 containers; at their own "
+    how = (f"ship as INT2 blocks of {cost['block_size']}" if cost.get("weights_in_int2_blocks")
+           else "travel in INT4 containers")
+    return (f"2-bit weights ({cost['bytes_at_2_bits'] / 1e6:,.1f} MB at 2 bits) {how}; at their own "
             f"width the integer weights are {at_bits / 1e6:,.1f} MB ({100 * (at_bits / paper - 1):+.1f}% vs paper)")
 
 
@@ -244,7 +250,7 @@ def sizes(run_dir: Path, targets: dict[str, float]) -> dict:
         "mtp_embed_lut": {"what": "qat/embed_lut.safetensors (file)", "bytes": file_size(qat / "embed_lut.safetensors"),
                           "binary_bytes": None},
     }
-    notes = {"slm_graph": int2_note(convert / "encodings.json", targets["slm"])} if "slm" in targets else {}
+    notes = {"slm_graph": int2_note(convert / "encodings.json", targets["slm"], report)} if "slm" in targets else {}
     table3 = []
     for key, (label, target) in TABLE3.items():
         if target not in targets:

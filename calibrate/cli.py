@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from hyco.cli import stage_command
-from hyco.recipe import CalibrateConfig, to_dict
+from hyco.cli import NOT_GIVEN, stage_command
+from hyco.recipe import TWO_BIT_WEIGHTS, CalibrateConfig, ExportConfig, field_help, to_dict
+
+# the export keys the deployable graphs follow (how the 2-bit weights ship): flags here too
+EXPORT_FLAGS = {"two_bit_weights": {"choices": TWO_BIT_WEIGHTS}, "int2_block_size": {"type": int}}
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    stage_command(
+    p = stage_command(
         sub, "calibrate", run=_cmd_calibrate, sections={"calibrate": CalibrateConfig()}, proof=True,
         inputs={"convert": "convert stage output folder", "vocab": "vocab stage output folder (keep_set.json)",
                 "answers": "answers stage output folder (answers.jsonl)"},
@@ -24,18 +27,26 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "float I/O beside them), io_spec.json (with each boundary tensor's scale/zero point), encodings.json "
         "(AIMET 1.0.0 layout), report.json (fidelity on the eval prompts, HTP acceptance, simulator vs CPU), "
         "summary.md and sqnr.png into --out.")
+    helps, defaults = field_help(ExportConfig), ExportConfig()
+    for key, kind in EXPORT_FLAGS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, default=NOT_GIVEN, **kind,
+                       help=f"{helps[key]} (recipe export.{key}; default: {getattr(defaults, key)})")
 
 
 def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateConfig) -> int:
     from hyco.calibrate.stage import calibrate as build
 
     from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
+    from hyco.int2_blocks import export_keys
+    from hyco.recipe import section_config
 
     out, inputs = paths.pop("out"), paths
     allow = args.allow_parity_failure
-    manifest = run_stage("calibrate", out, {"calibrate": to_dict(calibrate)}, inputs,
+    export = section_config(ExportConfig(), "export", [], **{k: getattr(args, k) for k in EXPORT_FLAGS if hasattr(args, k)})
+    two_bit = export_keys(export)
+    manifest = run_stage("calibrate", out, {"calibrate": to_dict(calibrate), "two_bit_weights": two_bit}, inputs,
                          lambda tmp: build(**{"qat": None, **inputs}, out=tmp, config=calibrate,
-                                           allow_parity_failure=allow),
+                                           two_bit_weights=two_bit, allow_parity_failure=allow),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     warn_if_proof_failed(manifest)

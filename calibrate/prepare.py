@@ -61,11 +61,15 @@ def _unique(graph: onnx.GraphProto, base: str) -> str:
 
 
 def _int_array(t: onnx.TensorProto) -> np.ndarray:
-    """Integer initializer -> int8 numpy (INT4 unpacked), raw data loaded."""
+    """Integer initializer -> int8 numpy (INT4 / INT2 unpacked), raw data loaded."""
     if t.data_type == TensorProto.INT4:
         from hyco.int4 import unpack_int4
 
         return unpack_int4(t.raw_data, int(np.prod(t.dims))).reshape(tuple(t.dims))
+    if t.data_type == TensorProto.INT2:
+        from hyco.int2_blocks import unpack_int2
+
+        return unpack_int2(t.raw_data, int(np.prod(t.dims))).reshape(tuple(t.dims))
     return numpy_helper.to_array(t)
 
 

@@ -386,7 +386,8 @@ def kv_io_uint8(model: onnx.ModelProto, inputs: list[str], outputs: list[str]) -
 def encodings(model: onnx.ModelProto, weight_bits: dict[str, int]) -> dict:
     """AIMET encodings (1.0.0 layout) of a QDQ graph: every QuantizeLinear's tensor as an
     activation encoding, every integer weight DequantizeLinear as a per-channel param encoding
-    (bw = the checkpoint's width: 2-bit ints travel in INT4 containers)."""
+    (bw = the checkpoint's width; container_bw the type that holds it: 2-bit ints in INT2 blocks
+    or INT4 containers, `hyco.int2_blocks`)."""
     inits = _inits(model)
     acts, params, seen = [], [], set()
     for node in model.graph.node:
@@ -401,33 +402,49 @@ def encodings(model: onnx.ModelProto, weight_bits: dict[str, int]) -> dict:
                          "min": scale * (info.min - zp), "max": scale * (info.max - zp)})
             seen.add(node.input[0])
         elif node.op_type == "DequantizeLinear" and node.input[0] in inits:
-            ints = inits[node.input[0]]
-            scale = numpy_helper.to_array(inits[node.input[1]]).reshape(-1)
-            container = 4 if ints.data_type in (TensorProto.INT4, TensorProto.UINT4) else 8
-            params.append({"name": node.input[0], "bw": int(weight_bits.get(node.input[0], container)),
-                           "container_bw": container, "dtype": "INT", "enc_type": "PER_CHANNEL", "is_sym": True,
-                           "scale": [float(s) for s in scale], "offset": [0] * len(scale),
-                           "axis": next((a.i for a in node.attribute if a.name == "axis"), 1)})
+            params.append(_param_encoding(node, inits, weight_bits))
     return {"version": "1.0.0", "activation_encodings": acts, "param_encodings": params}
 
 
-def _weight_refs(model: onnx.ModelProto) -> dict[str, tuple[onnx.TensorProto, onnx.TensorProto, int]]:
-    """Every integer weight feeding a DequantizeLinear: name -> (ints, scale, axis), not unpacked."""
+CONTAINER_BITS = {TensorProto.INT2: 2, TensorProto.INT4: 4, TensorProto.UINT4: 4}
+
+
+def _param_encoding(node, inits: dict, weight_bits: dict[str, int]) -> dict:
+    """A weight DequantizeLinear's per-channel encoding. An INT2-block weight (`hyco.int2_blocks`)
+    carries its channel's scale in every block: written once per channel, with its block size."""
+    ints = inits[node.input[0]]
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+    block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+    scale = _scale_bits(inits[node.input[1]], axis if block else None).view(np.float32)
+    container = CONTAINER_BITS.get(ints.data_type, 8)
+    row = {"name": node.input[0], "bw": int(weight_bits.get(node.input[0], container)), "container_bw": container,
+           "dtype": "INT", "enc_type": "PER_CHANNEL", "is_sym": True, "scale": [float(s) for s in scale],
+           "offset": [0] * len(scale), "axis": 1 - axis if block else axis}
+    return {**row, "block_size": block, "block_axis": axis} if block else row
+
+
+def _weight_refs(model: onnx.ModelProto) -> dict[str, tuple[onnx.TensorProto, onnx.TensorProto, int, int | None]]:
+    """Every integer weight feeding a DequantizeLinear: name -> (ints, scale, the scale's channel
+    axis, the blocked axis of an INT2-block weight or None), not unpacked."""
     inits = _inits(model)
     out = {}
     for node in model.graph.node:
         if node.op_type != "DequantizeLinear" or node.input[0] not in inits:
             continue
         ints_t = inits[node.input[0]]
-        if ints_t.data_type not in (TensorProto.INT4, TensorProto.INT8):
+        if ints_t.data_type not in (TensorProto.INT4, TensorProto.INT8, TensorProto.INT2):
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        out[node.input[0].removesuffix("_t")] = (ints_t, inits[node.input[1]], axis)
+        blocked = any(a.name == "block_size" and a.i for a in node.attribute)
+        # blocks run along K (`hyco.int2_blocks`): the channels are the other axis of a 2-D weight
+        channel = 1 - axis if blocked else axis
+        out[node.input[0].removesuffix("_t")] = (ints_t, inits[node.input[1]], channel, axis if blocked else None)
     return out
 
 
-def _unpack_weight(ints_t: onnx.TensorProto, scale_t: onnx.TensorProto, axis: int) -> tuple[np.ndarray, np.ndarray, int]:
-    return _oriented_ints(ints_t, axis), _scale_bits(scale_t), axis
+def _unpack_weight(ints_t: onnx.TensorProto, scale_t: onnx.TensorProto, axis: int,
+                   block_axis: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    return _oriented_ints(ints_t, axis), _scale_bits(scale_t, block_axis), axis
 
 
 def _oriented_ints(ints_t: onnx.TensorProto, axis: int) -> np.ndarray:
@@ -438,8 +455,15 @@ def _oriented_ints(ints_t: onnx.TensorProto, axis: int) -> np.ndarray:
     return values.T if values.ndim == 2 and axis == 1 else values
 
 
-def _scale_bits(scale_t: onnx.TensorProto) -> np.ndarray:
-    return numpy_helper.to_array(scale_t).reshape(-1).astype(np.float32).view(np.uint32)
+def _scale_bits(scale_t: onnx.TensorProto, block_axis: int | None = None) -> np.ndarray:
+    """A weight's scales as bits, per channel; an INT2-block weight's blocks collapse to their
+    channel's scale where every block along `block_axis` holds the same (else all of them, which
+    then equal no per-channel source)."""
+    scale = numpy_helper.to_array(scale_t).astype(np.float32)
+    if block_axis is not None and scale.ndim == 2:
+        rows = np.moveaxis(scale, block_axis, 0).reshape(scale.shape[block_axis], -1)
+        scale = rows[0] if (rows == rows[0]).all() else rows
+    return scale.reshape(-1).view(np.uint32)
 
 
 def weight_ints(model: onnx.ModelProto, folder: Path | None = None) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
@@ -474,7 +498,7 @@ def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folder
 
     a, b = _weight_refs(source), _weight_refs(quantized)
     rows = {}
-    for name, (ints_t, scale_t, axis) in a.items():
+    for name, (ints_t, scale_t, axis, block_axis) in a.items():
         other = b.get(name)
         if other is None:
             rows[name] = False
@@ -483,7 +507,7 @@ def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folder
         same = _same_packed_int4(a_ints, axis, b_ints, other[2])
         if same is None:
             same = np.array_equal(_oriented_ints(a_ints, axis), _oriented_ints(b_ints, other[2]))
-        rows[name] = bool(same and np.array_equal(_scale_bits(loaded(scale_t, folders[0])),
-                                                  _scale_bits(loaded(other[1], folders[1]))))
+        rows[name] = bool(same and np.array_equal(_scale_bits(loaded(scale_t, folders[0]), block_axis),
+                                                  _scale_bits(loaded(other[1], folders[1]), other[3])))
     return {"weights": len(a), "equal": sum(rows.values()), "all_equal": bool(rows) and all(rows.values()),
             "missing_or_different": sorted(k for k, v in rows.items() if not v)[:10]}

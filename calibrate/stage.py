@@ -36,9 +36,10 @@ from hyco import verdict
 from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, read_json, write_json
 from hyco.errors import HycoError
 from hyco.heap import return_large_blocks
+from hyco.int2_blocks import TwoBitDecision, decide, export_keys
 from hyco.io_spec import Role, role_of
 from hyco.pass_compare import kv_grid_steps
-from hyco.recipe import CalibrateConfig, Recipe, to_dict
+from hyco.recipe import CalibrateConfig, ExportConfig, Recipe, to_dict
 
 SLM_GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
 MTP_GRAPH = "mtp_step.onnx"
@@ -374,7 +375,7 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
 
 
 def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
-                  phase: Phases, weight_bits: dict[str, int]) -> dict[str, Any]:
+                  phase: Phases, weight_bits: dict[str, int], two_bit: TwoBitDecision) -> dict[str, Any]:
     """Record convert's graphs; prepare and measure tree and prefill side by side, a worker
     process each (their graph rewriting is single-threaded Python); then quantize each and
     write its deployable graph (`deployable`), one graph at a time."""
@@ -408,7 +409,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
         with phase(f"{g}: quantize, deployable graph, bit-exact proof, encodings"):
             done[g] = quantize_and_deploy(convert, g, tmp, out, *recorded[g], measured[g]["ranges"],
                                           mask["mask_negative"], config, inputs["convert_specs"][SLM_GRAPHS[g]],
-                                          weight_bits, grids)
+                                          weight_bits, grids, two_bit)
     result["graphs"] = {g: {**d["graph"], "phases": {**measured[g]["phases"], **d["phases"]}}
                         for g, d in done.items()}
     result["deployed"] = {g: d["deployed"] for g, d in done.items()}
@@ -464,7 +465,7 @@ def prepare_and_measure(convert: Path, g: str, tmp: Path, recorded: Path, passes
 
 def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: Path, passes: int, ranges: dict,
                         negative: float, config: CalibrateConfig, base_spec, weight_bits: dict[str, int],
-                        grids: dict[str, tuple[float, int]]) -> dict:
+                        grids: dict[str, tuple[float, int]], two_bit: TwoBitDecision) -> dict:
     """The prepared graph `g` quantized into its parity twin (out/PARITY_NAMES)
     with the KV, mask and HTP-range overrides, then its deployable graph (`deployable`)."""
     from hyco.calibrate.drive import SpilledPasses, with_mask_value
@@ -485,7 +486,7 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
                    percentile=config.activation_percentile, activation_bits=config.activation_bits)
     quantize_s = round(time.perf_counter() - start, 2)
     start = time.perf_counter()
-    deployed = deployable(g, parity, convert / SLM_GRAPHS[g], out, base_spec, negative, weight_bits)
+    deployed = deployable(g, parity, convert / SLM_GRAPHS[g], out, base_spec, negative, weight_bits, two_bit)
     return {"graph": {"quantize_s": quantize_s, "calibration_passes": len(feeds), "kv_ranges": kv_ranges,
                       "htp_ranges_widened": widened},
             "phases": {"quantize_s": quantize_s, "deployable_s": round(time.perf_counter() - start, 2)},
@@ -493,11 +494,13 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
 
 
 def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negative: float,
-               weight_bits: dict[str, int]) -> dict[str, Any]:
+               weight_bits: dict[str, int], two_bit: TwoBitDecision) -> dict[str, Any]:
     """The parity twin's graph with its weights on disk -> the deployable graph out/OUT_NAMES[g]
-    (no logits output on the SLM graphs, uint8 KV boundary; the weights streamed into its file),
-    with its proofs: integer weights bit-exact against `source`, no encoding an HTP kernel
-    computes wrong; and its AIMET encodings and io_spec."""
+    (no logits output on the SLM graphs, uint8 KV boundary, the 2-bit weights as `two_bit` says:
+    INT2 blocks or INT4 containers; the weights streamed into its file), with its proofs: integer
+    weights bit-exact against `source` (and each INT2-block weight read back against its INT4
+    container, `hyco.int2_blocks`), no encoding an HTP kernel computes wrong; and its AIMET
+    encodings and io_spec."""
     from hyco.calibrate.prepare import drop_outputs, load_graph, save_streamed
     from hyco.calibrate.quantize import (
         boundary_qparams,
@@ -512,12 +515,30 @@ def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negativ
         model = drop_outputs(model, {"logits"})
     kv_in = [i.name for i in model.graph.input if role_of(i.name) is Role.KV_RING]
     kv_out = [o.name for o in model.graph.output if role_of(o.name) is Role.NEW_KV]
-    save_streamed(kv_io_uint8(model, kv_in, kv_out), parity.parent, out / OUT_NAMES[g])
+    model = kv_io_uint8(model, kv_in, kv_out)
+    blocks = two_bit_blocks(model, g, parity.parent, weight_bits, two_bit)
+    save_streamed(model, parity.parent, out / OUT_NAMES[g])
     model = load_graph(out / OUT_NAMES[g])  # scales back in memory, weights on disk
+    spec = quantized_spec(base_spec, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])
+    if blocks is not None:
+        spec.meta["two_bit_weights"] = blocks
     return {"bitexact": weights_bitexact(load_graph(source), model, folders=(source.parent, out)),
-            "traps": htp_encoding_violations(model),
-            "encodings": encodings(model, weight_bits if g != "mtp" else {}),
-            "spec": quantized_spec(base_spec, OUT_NAMES[g], boundary_qparams(model), negative, parity=PARITY_NAMES[g])}
+            "traps": htp_encoding_violations(model), "two_bit_weights": blocks,
+            "encodings": encodings(model, weight_bits if g != "mtp" else {}), "spec": spec}
+
+
+def two_bit_blocks(model, g: str, folder: Path, weight_bits: dict[str, int], two_bit: TwoBitDecision) -> dict | None:
+    """The SLM graph's 2-bit weights as `two_bit` ships them (`hyco.int2_blocks.to_int2_blocks`, in
+    place; its proof raises ProofFailed): what was rewritten and why, for io_spec and the report.
+    None for the MTP step graph (no 2-bit weights)."""
+    from hyco.int2_blocks import to_int2_blocks, two_bit_names
+
+    if g == "mtp":
+        return None
+    said = {k: v for k, v in two_bit.to_dict().items() if k != "probe"}
+    if two_bit.encoding != "int2-blocks":
+        return {**said, "rewritten": [], "kept_in_int4": {}}
+    return {**said, **to_int2_blocks(model, two_bit_names(weight_bits), two_bit.block_size, folder)}
 
 
 # --- MTP step graph -----------------------------------------------------------------------------
@@ -576,11 +597,13 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
 
 
 def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, out: Path, config: CalibrateConfig,
-              allow_parity_failure: bool = False) -> dict[str, Any]:
+              two_bit_weights: dict[str, Any] | None = None, allow_parity_failure: bool = False) -> dict[str, Any]:
     """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
     temp folder, so nothing moves into place) unless `allow_parity_failure`. `qat` None: the SLM's
-    two graphs only (no MTP Drafter on the phone)."""
+    two graphs only (no MTP Drafter on the phone). `two_bit_weights`: the export section's keys
+    that say how the 2-bit weights ship (`hyco.int2_blocks.export_keys`; None: its defaults): the
+    deployable graphs hold them so, and the HTP checks run them."""
     from hyco.calibrate import evaluate
 
     from hyco.answers import answer_stats
@@ -600,15 +623,18 @@ def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, ou
     report["data"] = answer_stats(inputs["answers"])
     report["fidelity_floor"] = {"max_kl": config.max_kl, "min_sqnr_db": config.min_sqnr_db, "basis": FLOOR_BASIS}
     report["policy"] = policy_rows()
+    with phase("2-bit weights: how they ship"):
+        two_bit = decide(**(two_bit_weights or export_keys(ExportConfig())))
     # convert's two graphs are read by the recording and again by the fidelity run: their INT4
     # weights are repacked for MatMulNBits once and kept until the stage ends; the other graphs
     # are read once
     with tempfile.TemporaryDirectory(prefix="hyco-calibrate-") as tmp, shared_repacks(convert):
-        built = quantize_and_measure(convert, qat, inputs, config, Path(tmp), out, phase)
+        built = quantize_and_measure(convert, qat, inputs, config, Path(tmp), out, phase, two_bit)
     write_io_spec(out / "io_spec.json", list(built["specs"].values()))
     write_json(out / "encodings.json", {"version": ENCODINGS_VERSION, "format": "AIMET encodings, one section per graph",
                                         "graphs": built["encodings"]})
     per_graph = graph_rows(built)
+    report["two_bit_weights"] = {**two_bit.to_dict(), "graphs": built["two_bit"]}
     report.update({"graphs": per_graph, "slm": dict(built["slm"]), "mtp": built["mtp"],
                    "fidelity_details": built["fidelity"], "htp_bounds": built["bounds"], "phases": phase.rows,
                    "wall_s": round(time.perf_counter() - start, 2)})
@@ -620,7 +646,8 @@ def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, ou
         plots={"sqnr.png": lambda path: evaluate.plot_sqnr(per_graph, path)},
         nondeterministic=[("report.json", htp, ["/graphs/*/htp/simulator_vs_cpu"]),
                           ("summary.md", f"{htp}; prints this run's wall time and peak RSS", None)],
-        verdict=verdict_lines(per_graph), verdict_varies="the HTP simulator's figures, which vary between processes"),
+        verdict=[*verdict_lines(per_graph), two_bit_line(report["two_bit_weights"])],
+        verdict_varies="the HTP simulator's figures, which vary between processes"),
         allow_parity_failure)
 
 
@@ -640,6 +667,16 @@ def verdict_lines(per_graph: dict[str, dict]) -> list[verdict.Line]:
             v["htp_accepted"] is not False for v in per_graph.values()),
             ", ".join(f"{g.removesuffix('.qdq.onnx')} {n} CPU nodes" for g, n in on_cpu.items()), "0 CPU nodes"))
     return lines
+
+
+def two_bit_line(two_bit: dict[str, Any]) -> verdict.Line:
+    """How the deployable graphs hold the SLM's 2-bit weights, and why (`two_bit_blocks`)."""
+    counts = ", ".join(f"{g.removesuffix('.qdq.onnx')} {len(v['rewritten'])} in INT2 blocks"
+                       + (f", {len(v['kept_in_int4'])} kept in INT4 (the report says why)" if v["kept_in_int4"] else "")
+                       for g, v in two_bit["graphs"].items())
+    label = f"INT2 blocks of {two_bit['block_size']}" if two_bit["encoding"] == "int2-blocks" else "INT4 containers"
+    return verdict.Line("2-bit weights", verdict.INFO, f"{label}" + (f" ({counts})" if two_bit["encoding"] == "int2-blocks"
+                                                                    else "") + f": {two_bit['why']}")
 
 
 def _fidelity_line(graph: str, v: dict) -> verdict.Line:
@@ -672,21 +709,22 @@ def _htp_line(graph: str, htp: dict) -> verdict.Line:
 
 
 def quantize_and_measure(convert: Path, qat: Path | None, inputs: dict, config: CalibrateConfig, tmp: Path,
-                         out: Path, phase: Phases) -> dict[str, Any]:
+                         out: Path, phase: Phases, two_bit: TwoBitDecision) -> dict[str, Any]:
     """The three graphs (two without `qat`) quantized and made deployable (bit-exact proof,
     encodings), their fidelity on the eval answers, the HTP bounds and checks, and the fidelity
     over the calibration samples."""
     from hyco.calibrate import evaluate
 
     weight_bits = convert_weight_bits(convert)
-    slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits)
+    slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits, two_bit)
     deployed, mtp = slm.pop("deployed"), None
     if qat is not None:
         with phase("mtp: record, prepare, quantize"):
             mtp = calibrate_mtp(qat, inputs, config, tmp, out)
         with phase("mtp: deployable graph, bit-exact proof, encodings"):
             deployed["mtp"] = deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
-                                         inputs["qat_specs"][MTP_GRAPH], mtp["mask"]["mask_negative"], weight_bits)
+                                         inputs["qat_specs"][MTP_GRAPH], mtp["mask"]["mask_negative"], weight_bits,
+                                         two_bit)
     specs = {g: d["spec"] for g, d in deployed.items()}
     fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
                                 mtp and mtp["mask"]["mask_negative"], tmp, phase)
@@ -698,7 +736,7 @@ def quantize_and_measure(convert: Path, qat: Path | None, inputs: dict, config: 
     with phase(f"HTP checks (simulator) beside the fidelity over {config.fidelity_seeds} calibration samples"), \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="htp") as pool:
         htp_side = pool.submit(htp_proofs, out, specs, fidelity["htp_feeds"], config)
-        spread = (fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, fidelity["graphs"])
+        spread = (fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, two_bit, fidelity["graphs"])
                   if config.fidelity_seeds > 1 else
                   {g: {"seeds": [config.seed], "top1_agreement": [fidelity["graphs"][g]["top1_agreement"]]}
                    for g in specs})
@@ -706,6 +744,7 @@ def quantize_and_measure(convert: Path, qat: Path | None, inputs: dict, config: 
     fidelity.pop("htp_feeds")
     return {"slm": slm, "mtp": mtp, "specs": specs, "bitexact": {g: d["bitexact"] for g, d in deployed.items()},
             "traps": {g: d["traps"] for g, d in deployed.items()},
+            "two_bit": {OUT_NAMES[g]: d["two_bit_weights"] for g, d in deployed.items() if d["two_bit_weights"]},
             "encodings": {OUT_NAMES[g]: d["encodings"] for g, d in deployed.items()}, "fidelity": fidelity,
             "bounds": bounds, "htp": htp_results, "spread": spread, "floor": floor}
 
@@ -791,7 +830,7 @@ def floor_failure(g: str, f: dict[str, Any]) -> str:
 
 
 def fidelity_spread(convert: Path, qat: Path | None, inputs: dict, config: CalibrateConfig, tmp: Path,
-                    weight_bits: dict[str, int], first: dict[str, dict]) -> dict[str, dict]:
+                    weight_bits: dict[str, int], two_bit: TwoBitDecision, first: dict[str, dict]) -> dict[str, dict]:
     """Top-1 agreement and KL of every graph quantized from `config.fidelity_seeds` calibration
     samples (the seed draws the calibration trees, their accepted lengths, the MTP bursts and the
     pass subsample; the stage's own graphs are the first), each held to the same eval passes: how
@@ -806,7 +845,7 @@ def fidelity_spread(convert: Path, qat: Path | None, inputs: dict, config: Calib
         seeded = dataclasses.replace(config, seed=config.seed + k)
         folder = tmp / f"seed-{seeded.seed}"
         folder.mkdir()
-        slm = calibrate_slm(convert, inputs, seeded, folder, folder, Phases("calibrate"), weight_bits)
+        slm = calibrate_slm(convert, inputs, seeded, folder, folder, Phases("calibrate"), weight_bits, two_bit)
         mtp = calibrate_mtp(qat, inputs, seeded, folder, folder) if qat is not None else None
         # evaluated as the stage's own graphs are: `config`'s seed drives the same eval passes
         fid = evaluate.run_all(convert, qat, folder, inputs, config, slm["mask"]["mask_negative"],
@@ -987,6 +1026,11 @@ def summary_md(report: dict[str, Any]) -> str:
            "scale/zero-point overrides (KV at 1.2 x p99.9, the MTP inputs' p99.99 ranges, the mask's exact grid), "
            "converts between 8- and 16-bit grids where the overrides meet, and keeps the checkpoint's SRQ encodings "
            "that aimet-onnx drops in front of o_proj.\n")
+    two_bit = report.get("two_bit_weights")
+    if two_bit:
+        proof = (" Each rewritten weight was read back against its INT4 container, ints and scales element by "
+                 "element (`hyco/int2_blocks.py`).") if two_bit["encoding"] == "int2-blocks" else ""
+        md += f"\n2-bit weights: {two_bit_line(two_bit).figure}.{proof}\n"
     floors = {g: v["fidelity_floor"] for g, v in report["graphs"].items()}
     first = next(iter(floors.values()))
     md += (f"\nFidelity floor: KL <= {first['max_kl']} nats and every layer's SQNR >= {first['min_sqnr_db']} dB "
@@ -1024,7 +1068,9 @@ def summary_md(report: dict[str, Any]) -> str:
 
 
 def section(recipe: Recipe) -> dict[str, Any]:
-    return {"calibrate": to_dict(recipe.calibrate)}
+    """calibrate's own keys, and the export keys that say how the 2-bit weights ship (the
+    deployable graphs hold them so): changing either reruns the stage."""
+    return {"calibrate": to_dict(recipe.calibrate), "two_bit_weights": export_keys(recipe.export)}
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
@@ -1040,4 +1086,5 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
-    return calibrate(**{"qat": None, **paths}, out=out, config=recipe.calibrate, allow_parity_failure=recipe.allow_parity_failure)
+    return calibrate(**{"qat": None, **paths}, out=out, config=recipe.calibrate,
+                     two_bit_weights=export_keys(recipe.export), allow_parity_failure=recipe.allow_parity_failure)

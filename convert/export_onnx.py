@@ -5,8 +5,10 @@ named graph inputs and the exporter serializes none of them). `finalize` then tu
 those inputs into an initializer, one tensor at a time, into the external-data file: each
 IntLinear's ints go in, converted from the checkpoint's packed bytes, as an INT8 initializer
 feeding a per-channel DequantizeLinear (constant folding off, so nothing is folded to float),
-or, for 2- and 4-bit linears, as INT4 (int2 values travel in INT4 containers: the HTP computes
-wrong numbers on ONNX INT2; their 2-bit width goes to encodings.json). The exporter stops at opset
+or, for 2- and 4-bit linears, as INT4 (int2 values travel in INT4 containers here: ONNX INT2 per
+channel computes wrong numbers on the HTP; calibrate's deployable graphs hold them as INT2 blocks
+where export.two_bit_weights says so, hyco/int2_blocks.py; their 2-bit width goes to
+encodings.json). The exporter stops at opset
 20, which has no INT4, so the opset is raised to 21, whose changes over 20 only widen types.
 Each graph is checked with `onnx.checker.check_model(full_check=True)`.
 

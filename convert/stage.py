@@ -62,8 +62,9 @@ def encodings(static, kv_scales: dict[str, float]) -> dict[str, Any]:
         if m.origin != "checkpoint":
             linears[m.source]["note"] = QUANTIZED_HERE
     return {"version": 1, "weights": linears, "kv_cache_scales": kv_scales,
-            "note": "bits is the checkpoint's width; 2-bit weights travel in INT4 containers (HTP computes "
-                    "wrong numbers on ONNX INT2). SRQ scales are 8-bit symmetric (0 = off). origin "
+            "note": "bits is the checkpoint's width; convert's graphs hold 2-bit weights in INT4 containers (ONNX "
+                    "INT2 per channel computes wrong numbers on the HTP), calibrate's deployable graphs as INT2 "
+                    "blocks where export.two_bit_weights says so. SRQ scales are 8-bit symmetric (0 = off). origin "
                     "'hyco-convert': a linear the checkpoint left in float, quantized by hyco-convert."}
 
 

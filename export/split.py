@@ -56,6 +56,8 @@ def _bytes(t) -> int:
 
     if t.data_type in (TensorProto.INT4, TensorProto.UINT4):
         return (int(np.prod(t.dims, dtype=np.int64)) + 1) // 2
+    if t.data_type in (TensorProto.INT2, TensorProto.UINT2):
+        return (int(np.prod(t.dims, dtype=np.int64)) + 3) // 4
     size = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
     return int(np.prod(t.dims, dtype=np.int64)) * size
 

@@ -218,11 +218,12 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
     # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next
     return_large_blocks()
     chip, arch, settled = settled_soc(config)
+    two_bit = shipped_two_bit(Path(calibrate), config)
     out = Path(out)
     bundle = out / "bundle"
     bundle.mkdir(parents=True, exist_ok=True)
     phase = Phases("export")
-    meta = write_bundle(bundle, config, chip, arch, settled, phase, calibrate=Path(calibrate), convert=Path(convert),
+    meta = write_bundle(bundle, config, chip, arch, settled, phase, two_bit, calibrate=Path(calibrate), convert=Path(convert),
                         qat=Path(qat) if qat else None, vocab=Path(vocab), tokenizer=Path(tokenizer) if tokenizer else None,
                         verifier=Path(verifier) if verifier else None)
     graphs = meta["graphs"]
@@ -246,7 +247,8 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
             for role, g in graphs.items() for p in g["parts"]]
     report = {"soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "qnn_sdk": meta["qnn_sdk"],
               "htp_optimization_level": config.htp_optimization_level,
-              "graphs": rows, "footprint": meta["footprint"], "smoke": smoke, "phases": phase.rows,
+              "graphs": rows, "two_bit_weights": meta["two_bit_weights"], "footprint": meta["footprint"], "smoke": smoke,
+              "phases": phase.rows,
               "wall_s": round(time.perf_counter() - start, 2)}
 
     def summary_md(report: dict[str, Any]) -> str:
@@ -302,8 +304,44 @@ def verdict_lines(report: dict[str, Any], config: ExportConfig) -> list[verdict.
             "smoke through the binaries (HTP simulator vs onnxruntime CPU)", smoke["passed"],
             f"{len(smoke['passes'])} passes, {sum(v['id_mismatches'] for v in by.values())} disagreeing; max |log-prob diff| "
             f"{diffs}{kv_said}", "each graph's bound from calibrate; committed streams equal"))
+    session = report["footprint"].get("session")
+    if session:
+        lines.append(verdict.proof("one HTP session holds the bundle", session["fits"],
+                                   f"{session['resident_bytes'] / 1e6:,.1f} MB over {len(session['contexts'])} contexts",
+                                   f"export.max_session_bytes {session['budget_bytes'] / 1e6:,.0f} MB"))
     lines.append(verdict.Line("on the phone", verdict.INFO, footprint_line(report["footprint"])))
+    two = report["two_bit_weights"]
+    lines.append(verdict.Line("2-bit weights", verdict.INFO, f"{shipped_label(two)}: {two['why']}"))
     return lines
+
+
+def shipped_label(two: dict[str, Any]) -> str:
+    if two["encoding"] != "int2-blocks":
+        return "INT4 containers"
+    kept = sum(len(g["kept_in_int4"]) for g in two["graphs"].values())
+    return f"INT2 blocks of {two['block_size']}" + (f" ({kept} kept in INT4 containers, bundle.json says why)" if kept else "")
+
+
+def shipped_two_bit(calibrate: Path, config: ExportConfig) -> dict[str, Any]:
+    """How the SLM's 2-bit weights ship: what export.two_bit_weights decides here
+    (`hyco.int2_blocks.decide`), which must be how calibrate wrote its graphs (io_spec's
+    `two_bit_weights`; graphs without it hold INT4 containers), with what each graph holds."""
+    from hyco.int2_blocks import decide, export_keys
+
+    decision = decide(**export_keys(config))
+    specs = read_io_spec(calibrate / "io_spec.json")
+    held = {name: specs[name].meta.get("two_bit_weights") for role, name in GRAPHS.items()
+            if role != "mtp_step" and name in specs}  # the MTP step graph has no 2-bit weights
+    for name, got in held.items():
+        encoding = (got or {}).get("encoding", "int4-containers")
+        if (encoding, (got or {}).get("block_size")) != (decision.encoding, decision.block_size):
+            said = f"INT2 blocks of {got['block_size']}" if encoding == "int2-blocks" else "INT4 containers"
+            raise HycoError(f"{calibrate / name}: holds the 2-bit weights as {said}, but export ships them as "
+                            f"{decision.label()} ({decision.why}): run calibrate again with the same export settings "
+                            "(export.two_bit_weights, int2_block_size, soc_model)")
+    graphs = {name: {k: got[k] for k in ("rewritten", "kept_in_int4")} for name, got in held.items() if got}
+    return {**decision.to_dict(), "graphs": graphs,
+            "rewritten": sorted({w for g in graphs.values() for w in g["rewritten"]})}
 
 
 def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:
@@ -323,12 +361,19 @@ def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:
     return chip, arch, settled
 
 
-def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settled: dict[str, Any], phase: Phases, *,
-                 calibrate: Path, convert: Path, qat: Path | None, vocab: Path, tokenizer: Path | None,
-                 verifier: Path | None) -> dict[str, Any]:
+def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settled: dict[str, Any], phase: Phases,
+                 two_bit: dict[str, Any], *, calibrate: Path, convert: Path, qat: Path | None, vocab: Path,
+                 tokenizer: Path | None, verifier: Path | None) -> dict[str, Any]:
     """The bundle's inputs gathered, its graphs compiled, and bundle.json (binaries, footprint,
     SoC, reference verifier) written. Returns bundle.json's content."""
-    from hyco.bundle import BUNDLE_JSON, BUNDLE_VERSION, device_footprint, file_table
+    from hyco.bundle import (
+        BUNDLE_JSON,
+        BUNDLE_VERSION,
+        device_footprint,
+        file_table,
+        phone_session,
+        refuse_over_budget,
+    )
 
     with phase("gather inputs"):
         specs = gather_inputs(bundle, calibrate=calibrate, convert=convert, qat=qat, vocab=vocab, tokenizer=tokenizer,
@@ -342,9 +387,11 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
             "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
-            "graphs": graphs, "files": file_table(bundle)}
+            "two_bit_weights": two_bit, "graphs": graphs, "files": file_table(bundle)}
     meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json",
-                                         config.footprint_targets)
+                                         config.footprint_targets, two_bit)
+    meta["footprint"]["session"] = phone_session(meta["footprint"], config.max_session_bytes)
+    refuse_over_budget(meta["footprint"]["session"])
     write_json(bundle / BUNDLE_JSON, meta)
     declare_binaries(graphs, meta["qnn_sdk"])
     return meta

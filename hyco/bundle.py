@@ -34,11 +34,12 @@ MTP_LUT = "embed_lut.safetensors"
 
 
 def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: Path | None = None,
-                     targets: dict[str, float] | None = None) -> dict[str, Any]:
+                     targets: dict[str, float] | None = None, two_bit: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the phone holds, read from the binaries: each context's resident bytes (libQnnSystem's
     contextBlobSize: the weights and the compiled graph HTP loads), per graph and in total with a
-    context two graphs share counted once; the CPU's LUT files; and the comparison with Table 3.
-    The NPU figures come from the .bin files, not from the ONNX graphs."""
+    context two graphs share counted once; the CPU's LUT files; what the 2-bit weights cost as they
+    ship (`two_bit_cost`); and the comparison with Table 3. The NPU figures come from the .bin
+    files, not from the ONNX graphs."""
     contexts: dict[str, int] = {}
     per_graph = {}
     for role, g in graphs.items():
@@ -57,28 +58,69 @@ def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: P
                "vs_paper": None if ours[key] is None else round(ours[key] / paper - 1, 4)}
               for key, paper in (TABLE3_E2B if targets is None else targets).items()]
     return {"resident_per_graph": per_graph, "resident_per_context": contexts,
-            "two_bit_weights": two_bit_cost(encodings) if encodings is not None else None,
+            "two_bit_weights": two_bit_cost(encodings, two_bit) if encodings is not None else None,
             "npu_resident_total": sum(contexts.values()), "cpu_luts": luts, "cpu_lut_total": sum(luts.values()),
             "table3": table3,
             "how": "NPU: each context binary's contextBlobSize read through libQnnSystem (a context two graphs share "
                    "counts once in the totals); CPU: the LUT files' bytes. Table 3's SLM row is tree + prefill."}
 
 
-def two_bit_cost(encodings: Path) -> dict[str, Any] | None:
-    """What the SLM's 2-bit weights cost in the INT4 containers they travel in (convert's
-    encodings.json lists every integer weight with its bits): the HTP computes wrong numbers on
-    ONNX INT2 weights (tests/test_htp_int2.py measures it), so they are stored in INT4 with the
-    same scales, bit-exact, at twice their size."""
+def two_bit_cost(encodings: Path, shipped: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """What the SLM's 2-bit weights cost as they ship (convert's encodings.json lists every integer
+    weight with its bits). `shipped`: bundle.json's `two_bit_weights` (the encoding, why, and the
+    weights each graph holds in INT2 blocks, `hyco.int2_blocks`); None: INT4 containers, the same
+    ints and scales at twice their size, as convert's own graphs hold them."""
     if not Path(encodings).is_file():
         return None
-    weights = read_json(Path(encodings), "encodings.json")["weights"].values()
-    two = sum(w["shape"][0] * w["shape"][1] for w in weights if w["bits"] == 2)
-    return {"weights_at_2_bits": sum(1 for w in weights if w["bits"] == 2), "bytes_at_2_bits": two // 4,
-            "bytes_in_int4_containers": two // 2, "extra_bytes": two // 2 - two // 4,
-            "integer_weight_bytes_at_own_width": sum(w["shape"][0] * w["shape"][1] * w["bits"] // 8 for w in weights),
-            "why": "the HTP (onnxruntime-qnn's QDQ import, soc 87) accepts ONNX INT2 weights but computes wrong "
-                   "numbers with them (tests/test_htp_int2.py); QNN's own 2-bit types (SFIXED_POINT_2, a mapped "
-                   "2-bit encoding) are named in libQnnHtp.so, but no route to them from an ONNX graph was found"}
+    weights = list(read_json(Path(encodings), "encodings.json")["weights"].values())
+    two = [w for w in weights if w["bits"] == 2]
+    size = lambda w: w["shape"][0] * w["shape"][1]
+    blocked = {n.removesuffix("_t") for n in (shipped or {}).get("rewritten", [])}
+    in_blocks = [w for w in two if w["onnx_initializer"] in blocked]
+    block = (shipped or {}).get("block_size") or 0
+    total, int2 = sum(map(size, two)), sum(map(size, in_blocks))
+    as_shipped = int2 // 4 + (total - int2) // 2
+    return {"encoding": (shipped or {}).get("encoding", "int4-containers"), "block_size": block or None,
+            "weights_at_2_bits": len(two), "weights_in_int2_blocks": len(in_blocks),
+            "bytes_at_2_bits": total // 4, "bytes_as_shipped": as_shipped, "block_scales": int2 // block if block else 0,
+            "bytes_in_int4_containers": total // 2, "extra_bytes": as_shipped - total // 4,
+            "integer_weight_bytes_at_own_width": sum(size(w) * w["bits"] // 8 for w in weights),
+            "why": (shipped or {}).get("why", "INT4 containers: the ints in [-2, 1] in INT4, with the same scales")}
+
+
+def two_bit_sentence(two: dict[str, Any]) -> str:
+    """How the 2-bit weights ship, in one sentence for the footprint's Markdown."""
+    mb = lambda b: f"{b / 1e6:,.1f} MB" if b >= 1e6 else f"{b / 1e3:,.1f} kB"
+    if two["weights_in_int2_blocks"]:
+        rest = two["weights_at_2_bits"] - two["weights_in_int2_blocks"]
+        kept = (f"; {rest} whose input dim is off the block grid stay in INT4 containers "
+                f"({mb(two['bytes_as_shipped'])} of ints in all)") if rest else ""
+        return (f"The SLM's 2-bit weights ship as INT2 blocks of {two['block_size']}: {mb(two['bytes_at_2_bits'])} of "
+                f"ints at 2 bits plus one scale per block ({two['block_scales']:,} scales), where INT4 containers take "
+                f"{mb(two['bytes_in_int4_containers'])}{kept} ({two['why']}).")
+    return (f"The SLM's 2-bit weights travel in INT4 containers: {mb(two['bytes_in_int4_containers'])} where 2 bits "
+            f"would take {mb(two['bytes_at_2_bits'])} (+{mb(two['extra_bytes'])} per context holding them; {two['why']}).")
+
+
+def phone_session(footprint: dict[str, Any], budget: int) -> dict[str, Any]:
+    """The HTP session the phone loads the bundle into: one process loads the SLM's graphs and the
+    MTP step together, and every context it loads shares that session's memory (it fails to load,
+    error 1002 on the device, around 3.5-4 GB). Each context counted once."""
+    contexts = footprint["resident_per_context"]
+    total = sum(contexts.values())
+    return {"contexts": dict(contexts), "resident_bytes": total, "budget_bytes": budget, "fits": total <= budget}
+
+
+def refuse_over_budget(session: dict[str, Any]) -> None:
+    """One line naming the contexts, their bytes and the ways out, for a bundle no HTP session holds."""
+    if session["fits"]:
+        return
+    mb = lambda b: f"{b / 1e6:,.1f} MB"
+    listed = ", ".join(f"{name} {mb(b)}" for name, b in session["contexts"].items())
+    raise HycoError(f"the phone loads {listed} into one HTP session: {mb(session['resident_bytes'])} together, over "
+                    f"export.max_session_bytes {session['budget_bytes']:,} (sessions fail to load around 3.5-4 GB); "
+                    "ways out: one copy of the SLM's weights (export.share_contexts through qai-hub's link job), "
+                    "2-bit weights at 2 bits (export.two_bit_weights: int2-blocks), or smaller KV rings (convert.ring_full, convert.ring_sliding)")
 
 
 def footprint_line(footprint: dict[str, Any]) -> str:
@@ -90,6 +132,10 @@ def footprint_line(footprint: dict[str, Any]) -> str:
     slm, mtp = paper.get(FOOTPRINT_ROWS["slm"]), paper.get(FOOTPRINT_ROWS["mtp_drafter"])
     if slm and mtp:
         line += f"; the targets: SLM {mb(slm)} + MTP Drafter {mb(mtp)}"
+    two = footprint.get("two_bit_weights")
+    if two:
+        line += ("; 2-bit weights as INT2 blocks of " + str(two["block_size"]) if two["weights_in_int2_blocks"]
+                 else f"; 2-bit weights in INT4 containers (+{mb(two['extra_bytes'])})")
     scale = scale_note(footprint)
     return f"{line} ({scale})" if scale else line
 
@@ -113,20 +159,22 @@ def footprint_markdown(footprint: dict[str, Any]) -> str:
              + ("-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%") + " |" for r in footprint["table3"]]
     per_graph = ", ".join(f"{g} {mb(b)}" for g, b in footprint["resident_per_graph"].items())
     two = footprint.get("two_bit_weights")
-    extra = (f" The SLM's 2-bit weights travel in INT4 containers: {mb(two['bytes_in_int4_containers'])} where 2 bits "
-             f"would take {mb(two['bytes_at_2_bits'])} (+{mb(two['extra_bytes'])} per context holding them).") if two else ""
+    extra = " " + two_bit_sentence(two) if two else ""
     scale = scale_note(footprint)
     note = f"{scale[0].upper()}{scale[1:]}.\n\n" if scale else ""
+    if session := footprint.get("session"):
+        note += (f"The phone's one HTP session holds every context: {mb(session['resident_bytes'])} of its "
+                 f"{mb(session['budget_bytes'])} budget (export.max_session_bytes).\n\n")
     return (note + "\n".join(rows) + f"\n\nNPU resident per graph: {per_graph}; in total {mb(footprint['npu_resident_total'])} "
             f"(a shared context once). CPU LUTs {mb(footprint['cpu_lut_total'])}. {footprint['how']}{extra}\n")
 
 
 def weight_bytes(graph: Path) -> int:
-    """Bytes of every initializer (INT4 packed two per byte): what one pass reads from memory."""
+    """Bytes of every initializer (INT4 packed two per byte, INT2 four): what one pass reads from memory."""
     import onnx
     from onnx import TensorProto
 
-    bits = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.INT8: 8, TensorProto.UINT8: 8,
+    bits = {TensorProto.INT2: 2, TensorProto.UINT2: 2, TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.INT8: 8, TensorProto.UINT8: 8,
             TensorProto.INT16: 16, TensorProto.UINT16: 16, TensorProto.FLOAT16: 16, TensorProto.BFLOAT16: 16,
             TensorProto.INT32: 32, TensorProto.FLOAT: 32, TensorProto.INT64: 64, TensorProto.DOUBLE: 64,
             TensorProto.BOOL: 8}

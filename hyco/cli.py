@@ -114,6 +114,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     found = inspect_run(recipe, modules, run_dir)
     for row in found.estimates:
         print(row.text())
+    if found.session_text(recipe.export.max_session_bytes):
+        print(found.session_text(recipe.export.max_session_bytes))
     problems = found.problems + found.over_limits
     for problem in problems:  # every one, a line each: the recipe is fixed once, not once per run
         print(f"hyco-convert plan: error: {problem}", file=sys.stderr)

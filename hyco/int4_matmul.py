@@ -13,7 +13,9 @@ of K; the per-channel scale is repeated over each row's blocks. Not bit-identica
 accuracy_level 0 computes in fp32 as MLAS's SGEMM does, but in another summation order, so the
 outputs differ in the last bits (tests/test_int4_matmul.py holds sessions to each other at a
 stated bound). INT8 weights keep DequantizeLinear (1% of E2B's weight; MatMulNBits' 8-bit path
-is slower than DequantizeLinear -> Gemm here).
+is slower than DequantizeLinear -> Gemm here). An INT2-block weight whose every block carries its
+channel's scale (`hyco.int2_blocks`: calibrate's deployable graphs) holds the same numbers as INT4
+per channel: its ints are repacked into MatMulNBits' 4-bit B the same way.
 
 For CPU sessions only (`hyco.ort.session_for`): the graphs on disk and the deployed
 ones keep DequantizeLinear -> MatMul, which is what the HTP's QDQ matcher reads.
@@ -176,14 +178,35 @@ def _single_user(name: str, consumers: dict, outputs: set[str]):
     return users[0] if len(users) == 1 and name not in outputs else None
 
 
+def _int2_blocks_per_channel(dq, inits: dict, folder: Path) -> bool:
+    """Whether `dq` holds INT2 weights [K, N] in blocks along K (`hyco.int2_blocks`) whose every
+    block carries its channel's scale and a zero point of 0: the same numbers as INT4 per channel."""
+    from onnx import TensorProto
+
+    weight, scale = inits[dq.input[0]], inits[dq.input[1]]
+    zero = inits.get(dq.input[2]) if len(dq.input) > 2 else None
+    if (weight.data_type != TensorProto.INT2 or len(weight.dims) != 2 or scale.data_type != TensorProto.FLOAT
+            or zero is None or next((a.i for a in dq.attribute if a.name == "axis"), 1) != 0):
+        return False
+    size = next(a.i for a in dq.attribute if a.name == "block_size")
+    k, n = weight.dims
+    if k % size or list(scale.dims) != [k // size, n] or any(_read_raw(zero, folder)):
+        return False
+    blocks = _float_array(scale, folder).reshape(k // size, n)
+    return bool((blocks == blocks[0]).all())
+
+
 def _fusable(dq, inits: dict, consumers: dict, outputs: set[str], folder: Path):
-    """(MatMul, activation, transposed, nodes replaced) for an INT4 per-channel weight DQ that
-    feeds one MatMul as its B, directly or through Transpose([1, 0]); else None."""
+    """(MatMul, activation, transposed, nodes replaced) for an INT4 per-channel weight DQ (or an
+    INT2-block one holding the same numbers, `_int2_blocks_per_channel`) that feeds one MatMul as
+    its B, directly or through Transpose([1, 0]); else None."""
     from onnx import TensorProto
 
     if (dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or len(dq.input) < 2
-            or dq.input[1] not in inits or any(a.name == "block_size" and a.i for a in dq.attribute)):
+            or dq.input[1] not in inits):
         return None
+    if any(a.name == "block_size" and a.i for a in dq.attribute):
+        return _fusable_int2_blocks(dq, inits, consumers, outputs, folder)
     weight, scale = inits[dq.input[0]], inits[dq.input[1]]
     if weight.data_type != TensorProto.INT4 or len(weight.dims) != 2 or scale.data_type != TensorProto.FLOAT:
         return None
@@ -210,6 +233,30 @@ def _fusable(dq, inits: dict, consumers: dict, outputs: set[str], folder: Path):
     if list(scale.dims) not in ([], [1], [n]) or (list(scale.dims) == [n] and axis % 2 != out_axis):
         return None
     return user, user.input[0], transposed, replaced
+
+
+def _fusable_int2_blocks(dq, inits: dict, consumers: dict, outputs: set[str], folder: Path):
+    """`_fusable` for an INT2-block weight [K, N] feeding one MatMul as its B directly (the layout
+    calibrate's deployable graphs hold)."""
+    if not _int2_blocks_per_channel(dq, inits, folder):
+        return None
+    user = _single_user(dq.output[0], consumers, outputs)
+    if user is None or user.op_type != "MatMul" or user.input[1] != dq.output[0]:
+        return None
+    return user, user.input[0], True, [dq]
+
+
+def _int4_raw(weight, folder: Path) -> bytes:
+    """A weight's ints as ONNX INT4 raw data (INT2 ones unpacked and packed two per byte)."""
+    from onnx import TensorProto
+
+    from hyco.int2_blocks import unpack_int2
+    from hyco.int4 import pack_int4
+
+    raw = _read_raw(weight, folder)
+    if weight.data_type == TensorProto.INT2:
+        return pack_int4(unpack_int2(raw, int(np.prod(weight.dims))))
+    return raw
 
 
 def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
@@ -261,7 +308,8 @@ def _write_fused(model, weights_folder: Path, folder: Path, plans: dict, inits: 
             blocks = -(-k // block_size(k))
             key = _source_key(weight, Path(weights_folder), ("nbits", tuple(weight.dims), transposed))
             place = _store(data, index, key, lambda w=weight, t=transposed: matmul_nbits_weight(
-                _read_raw(w, Path(weights_folder)), tuple(w.dims), t).tobytes())
+                _int4_raw(w, Path(weights_folder)), tuple(w.dims), t).tobytes())
+            scale = scale[:n]  # INT2 blocks: every block row is the channel's scale (_int2_blocks_per_channel)
             tag = f"{matmul.name or matmul.output[0]}/nbits"
             b_tensor = TensorProto(name=f"{tag}/B", data_type=TensorProto.UINT8, dims=(n, blocks, block_size(k) // 2))
             _point_at(b_tensor, *place)

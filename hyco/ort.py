@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hyco.int2_blocks import restore_opset
 from hyco.int4_matmul import fuse_int4_matmuls, shares_repacks
 from hyco.onnx_graph import consumers as graph_consumers
 from hyco.workers import cpu_threads
@@ -177,6 +178,24 @@ def ort_session(path: Path, optimize: bool = False, arena: bool = True, provider
                        int4_matmul=int4_matmul)
 
 
+# A graph this small runs faster on one thread: handing each of its thousands of small ops to a
+# pool costs more than the op (the tiny tree graph: 9.2 ms a pass on 2 threads, 4.9 on one). The
+# outputs are the same bit for bit (onnxruntime splits its kernels' work by outputs, not sums).
+SMALL_GRAPH_BYTES = 64 * 1024**2
+
+
+def initializer_bytes(model) -> int:
+    """The weights' bytes of an ONNX model, held inline or named in its external data."""
+    total = 0
+    for t in model.graph.initializer:
+        external = {e.key: e.value for e in t.external_data}
+        if external:  # a length not recorded: counted as large, so such a graph keeps every core
+            total += int(external.get("length", SMALL_GRAPH_BYTES))
+        else:
+            total += len(t.raw_data) or 4 * len(t.float_data) or 8 * len(t.int64_data) or 4 * len(t.int32_data)
+    return total
+
+
 def session_options(optimize: bool = False, arena: bool = True, priority_order: bool = False):
     import onnxruntime as ort
 
@@ -208,7 +227,10 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     import onnxruntime as ort
 
     so = session_options(optimize, arena, priority_order)
+    if not cpu_threads() and initializer_bytes(model) < SMALL_GRAPH_BYTES:
+        so.intra_op_num_threads = 1
     _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul else (0, None)
+    restore_opset(model)  # its INT2-block weights multiplied packed: no INT2 left, the graph's own opset
     late_weight_dequant(model)
     gemm_for_transposed_weights(model)
     so.add_session_config_entry("session.model_external_initializers_file_folder_path",

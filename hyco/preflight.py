@@ -176,6 +176,13 @@ class Findings:
     problems: list[str]
     estimates: list[Estimate]
     over_limits: list[str]
+    session: tuple[int, str] | None = None  # the phone's HTP session: (estimated bytes, what they are)
+
+    def session_text(self, budget: int) -> str | None:
+        if self.session is None:
+            return None
+        return (f"[preflight] export: ~{_mb(self.session[0])} in the phone's one HTP session "
+                f"({self.session[1]}; budget {_mb(budget)}, export.max_session_bytes)")
 
 
 def inspect_run(recipe, modules: dict, run_dir: Path) -> Findings:
@@ -234,7 +241,8 @@ def inspect_run(recipe, modules: dict, run_dir: Path) -> Findings:
         dtype = _checkpoint_dtype(Path(recipe.path(recipe.models.verifier, run_dir)))
         growth = {stage: load_growth(stage, recipe.placement, dtype) for stage in modules}
     rows = estimate(tuple(modules), sizes, growth, unreadable)
-    return Findings(problems, rows, over_limits(recipe, rows, run_dir))
+    session = npu_session_estimate(recipe, run_dir) if "export" in modules else None
+    return Findings(problems, rows, over_limits(recipe, rows, run_dir) + session_over_budget(recipe, session), session)
 
 
 def over_limits(recipe, rows: list[Estimate], run_dir: Path) -> list[str]:
@@ -253,6 +261,81 @@ def over_limits(recipe, rows: list[Estimate], run_dir: Path) -> list[str]:
     return found
 
 
+# The NPU's share of an SLM context, in bits a weight as the graphs store them (2-bit weights in
+# INT4 containers unless they ship as INT2 blocks); a graph's compiled bytes ride on its weights
+# within a few percent (E2B shapes: 1,038 MB binary for 1,031 MB of weights).
+CONTAINER_BITS = {2: 4, 4: 4, 8: 8}
+SLM_CONTEXTS = 2  # tree and prefill, each with its own copy of the weights
+HEAD_BITS = 4
+
+
+def npu_session_estimate(recipe, run_dir: Path) -> tuple[int, str] | None:
+    """The bytes the phone's one HTP session will hold, from the checkpoints' headers (no tensor
+    read): the SLM's decoder linears at their graph widths (its output layer cut to the keep set)
+    once per SLM context, plus the MTP head's linears at 4 bits. None when a model folder is made
+    by an earlier stage of the run or cannot be read."""
+    slm = recipe.path(recipe.models.slm, run_dir)
+    if slm is None or _inside(Path(slm), run_dir) or "export" not in recipe.stages:
+        return None
+    try:
+        slm_bytes = _slm_graph_bytes(Path(slm), recipe)
+        head = recipe.path(recipe.models.assistant, run_dir)
+        head_bytes = (_float_linear_params(Path(head)) * HEAD_BITS // 8
+                      if head is not None and "qat" in recipe.stages and not _inside(Path(head), run_dir) else 0)
+    except (HycoError, OSError, ValueError, KeyError):
+        return None
+    total = SLM_CONTEXTS * slm_bytes + head_bytes
+    return total, (f"{SLM_CONTEXTS} SLM contexts of ~{_mb(slm_bytes)}"
+                   + (f" + the MTP head ~{_mb(head_bytes)}" if head_bytes else "") + ", weights only")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _slm_graph_bytes(folder: Path, recipe) -> int:
+    from hyco.gemma_quant import bits_for_module
+    from hyco.loading import checkpoint_files, read_json
+
+    qc = read_json(folder / "config.json", "slm config.json").get("quantization_config") or {}
+    default = int(qc.get("num_bits", 4))
+    total = 0
+    for name, (_, shape, _) in checkpoint_files(folder, "slm").items():
+        if not name.endswith("_proj.weight") and not name.endswith("lm_head.weight") \
+                and not name.endswith(("per_layer_input_gate.weight", "per_layer_projection.weight")):
+            continue
+        if "tower" in name or "embed_" in name or len(shape) != 2:
+            continue
+        module = name.removesuffix(".weight")
+        bits = bits_for_module(module, qc.get("module_quant_configs"), default)
+        weights = shape[0] * shape[1] * 8 // bits  # the stored bytes hold 8 / bits ints each
+        if module.endswith("lm_head"):
+            weights = weights * recipe.vocab.size // max(shape[0], recipe.vocab.size)
+        # a figure under the compiled one: 2-bit weights at 2 bits unless they surely ship in INT4
+        width = CONTAINER_BITS.get(bits, 8) if recipe.export.two_bit_weights == "int4-containers" else bits
+        total += weights * width // 8
+    return total
+
+
+def _float_linear_params(folder: Path) -> int:
+    from hyco.loading import checkpoint_files
+
+    return sum(shape[0] * shape[1] for name, (_, shape, _) in checkpoint_files(folder, "assistant").items()
+               if name.endswith("proj.weight") and len(shape) == 2)
+
+
+def session_over_budget(recipe, estimate: tuple[int, str] | None) -> list[str]:
+    """The estimated session over export.max_session_bytes: one line, hours before export's exact
+    check on the compiled binaries would refuse it. The estimate counts weights only, so a bundle
+    it refuses is over the budget compiled too."""
+    if estimate is None or estimate[0] <= recipe.export.max_session_bytes:
+        return []
+    return [f"preflight: the bundle's contexts would hold ~{_mb(estimate[0])} in the phone's one HTP session "
+            f"({estimate[1]}), over export.max_session_bytes {recipe.export.max_session_bytes:,}: export would refuse "
+            "it; ways out: one copy of the SLM's weights (export.share_contexts through qai-hub's link job), 2-bit "
+            "weights at 2 bits, or smaller KV rings"]
+
+
 def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estimate]:
     """Check and estimate every stage of `recipe` (`modules`: stage -> module); HycoError (one
     line, before any stage) on a missing or misshapen input or an estimate over `recipe.limits`:
@@ -262,6 +345,8 @@ def run_preflight(recipe, modules: dict, run_dir: Path, log=print) -> list[Estim
         raise HycoError(_first_of(found.problems))
     for r in found.estimates:
         log(r.text())
+    if found.session_text(recipe.export.max_session_bytes):
+        log(found.session_text(recipe.export.max_session_bytes))
     if found.over_limits:
         raise HycoError(_first_of(found.over_limits))
     return found.estimates

@@ -7,7 +7,7 @@ each node as the torch op of the ONNX definition, with the integer parts written
 
 - QuantizeLinear: clamp(round_half_even(x / scale) + zero_point) (a division, as onnxruntime's
   MLAS does, not a product with 1/scale), codes kept as int32;
-- DequantizeLinear: float32(code - zero_point) * scale, per tensor or per axis;
+- DequantizeLinear: float32(code - zero_point) * scale, per tensor, per axis or per block of an axis;
 - every node whose inputs are all initializers (the weights' DequantizeLinear and layout ops) is
   computed once at load, in those same formulas, so a weight is one float32 tensor.
 
@@ -42,10 +42,10 @@ ONNX_NUMPY = {2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 2
 
 
 def to_torch(array: np.ndarray, device) -> torch.Tensor:
-    """int8 / uint8 codes (and INT4, unpacked by onnx to int8) as they are, wider codes as int32,
+    """int8 / uint8 codes (and INT4 / INT2, unpacked by onnx to int8) as they are, wider codes as int32,
     other integers as int64, floats as float32."""
     array = np.asarray(array)
-    if array.dtype.name in ("int4", "uint4"):
+    if array.dtype.name in ("int4", "uint4", "int2", "uint2"):
         array = array.astype(np.int8)
     if array.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
         dtype = array.dtype
@@ -100,14 +100,17 @@ def fake_quantize(x, scale, lower, upper, zero, *, axis=1, addcmul: bool | None 
     return torch.addcmul(zero, q, s) if (x.is_cuda if addcmul is None else addcmul) else q.mul_(s).add_(0.0)
 
 
-def dequantize(q, scale, zero_point=None, *, axis=1):
+def dequantize(q, scale, zero_point=None, *, axis=1, block_size=0):
     """float32(q - zero_point) * scale. Codes of up to 16 bits subtract exactly in float32 (one
-    float32 copy of a weight, made in place); int32 codes subtract in float64, then round once."""
+    float32 copy of a weight, made in place); int32 codes subtract in float64, then round once.
+    `block_size`: a scale (and zero point) per block of `block_size` along `axis` (INT2 weights,
+    `hyco.int2_blocks`), spread over the block's elements first."""
+    spread = (lambda t: t.repeat_interleave(block_size, dim=axis)) if block_size else (lambda t: _along(t, q, axis))
     wide = q.dtype in (torch.int32, torch.int64)
     x = q.to(torch.float64 if wide else torch.float32)
     if zero_point is not None:
-        x.sub_(_along(zero_point, q, axis).to(x.dtype))
-    return x.to(torch.float32).mul_(_along(scale, q, axis))
+        x.sub_(spread(zero_point).to(x.dtype))
+    return x.to(torch.float32).mul_(spread(scale))
 
 
 def _axes(node_attrs, inputs, index=1):
@@ -192,7 +195,8 @@ OPS: dict[str, Callable] = {
                                             code_range=a["code_range"]),
     # a QuantizeLinear -> DequantizeLinear pair on a constant grid: x, scale and the bounds from grid_bounds
     "FakeQuantize": lambda i, a: fake_quantize(*i, axis=a.get("axis", 1)),
-    "DequantizeLinear": lambda i, a: dequantize(i[0], i[1], i[2] if len(i) > 2 else None, axis=a.get("axis", 1)),
+    "DequantizeLinear": lambda i, a: dequantize(i[0], i[1], i[2] if len(i) > 2 else None, axis=a.get("axis", 1),
+                                                block_size=a.get("block_size", 0)),
     "MatMul": lambda i, a: torch.matmul(i[0], i[1]),
     "Add": lambda i, a: i[0] + i[1],
     "Sub": lambda i, a: i[0] - i[1],
@@ -251,11 +255,11 @@ class TorchGraph:
         unknown = sorted({n.op_type for n in graph.node if n.op_type not in OPS})
         if unknown:
             raise HycoError(f"{self.path}: ops {unknown} have no torch emulation (supported: {sorted(OPS)})")
-        blocked = [n.name or n.output[0] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+        blocked = [n.name or n.output[0] for n in graph.node if n.op_type == "QuantizeLinear"
                    and any(a.name == "block_size" and a.i for a in n.attribute)]
-        if blocked:  # scales per block of an axis: not what `_along` broadcasts
+        if blocked:  # activations on grids per block: not what `_along` broadcasts (block weights are)
             raise HycoError(f"{self.path}: {blocked[0]} quantizes in blocks (block_size); the torch executor emulates "
-                            "per-tensor and per-axis grids only")
+                            "per-tensor and per-axis activation grids only")
         shared = {} if shared is None else shared
         tensors = {t.name: t for t in graph.initializer}
         self.inputs = [v.name for v in graph.input if v.name not in tensors]

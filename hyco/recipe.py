@@ -260,6 +260,7 @@ class QatConfig:
                  f"qat.clip_ratio_min..max must satisfy 0 < min <= max <= 1, but got {self.clip_ratio_min}..{self.clip_ratio_max}")
 
 
+TWO_BIT_WEIGHTS = ("auto", "int2-blocks", "int4-containers")  # export.two_bit_weights
 HTP_OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # QNN HTP graph finalization; 0: QNN's own default
 
 
@@ -278,9 +279,11 @@ class ExportConfig:
     # simulator cannot load it, so it ships only on request and is labelled unverified in bundle.json
     share_contexts: bool = False
     max_context_bytes: int = 2 * 1024**3  # a graph with more weight bytes is split by layer ranges
-    # The most one HTP session (one context binary) may hold: sessions fail to load around 3.5-4 GB
-    # on the phone. Every part's weights are split under max_context_bytes (<= this), and a compiled
-    # binary above it is refused, naming the part and its bytes, before anything is moved into place.
+    # The most one HTP session may hold: the phone loads the SLM's graphs and the MTP step into one
+    # process, whose contexts share one session, and sessions fail to load around 3.5-4 GB. A bundle
+    # whose contexts together exceed it is refused, naming them, before anything is moved into place
+    # (preflight estimates it from the checkpoints first); every part's weights are split under
+    # max_context_bytes (<= this).
     max_session_bytes: int = 3_500_000_000
     reference_graphs: bool = True  # ship the QDQ graphs too (the smoke test's CPU reference; not for the phone)
     smoke_prompts: int = 2  # the stage ends with a smoke run on the bundle (0: none)
@@ -292,6 +295,22 @@ class ExportConfig:
     # HTP graph finalization: 0 = QNN's default (what ships); 1 compiles much faster into a less
     # optimized graph (development builds; its cost on the phone is unmeasured), 3 is the slowest
     htp_optimization_level: int = 0
+    # How the SLM's 2-bit weights ship (hyco/int2_blocks.py): int2-blocks (ONNX INT2 with a scale per
+    # block of int2_block_size inputs, every block its channel's own: the same ints and scales at ~2
+    # bits a weight), int4-containers (INT4, twice the bytes), or auto: INT2 blocks where a one-layer
+    # probe compiled for soc_model runs right on the HTP simulator, else INT4 containers. calibrate
+    # writes its graphs so; bundle.json and export's report say which shipped and why
+    two_bit_weights: Literal["auto", "int2-blocks", "int4-containers"] = "auto"
+    # INT2 block size along the input dim, a multiple of 16 (a weight whose input dim it does not
+    # divide stays in INT4, reported). Measured (bench/bench_int2_blocks.py, QAIRT 2.51 simulator,
+    # soc 87) on E2B's 2-bit MLP weights, 1,536 x 12,288 / 12,288 x 1,536: every block size within
+    # 14.6 / 18.9 output codes of the float reference (INT4 containers 5.6 / 2.8; a MatMul may be
+    # 512 off); context binary 1.55x / 1.53x the ints at 2 bits for blocks of 16, 1.30x / 1.27x for
+    # 32, 1.17x / 1.14x for 64, 1.11x / 1.08x for 128, INT4 containers 2.06x / 2.02x; compiles
+    # 0.5-1.0 s each. 64: the smallest binary of the sizes the platform notes measured (16, 32, 64),
+    # and it divides every 2-bit weight's input dim of E2B (1,536, 12,288) and the tiny family (64,
+    # 256); larger blocks measured smaller still (all of K: 1.06x / 1.02x) on the simulator only
+    int2_block_size: int = 64
     # What the phone should hold, in decimal bytes (bundle.json's footprint compares each): the
     # paper's Table 3 for E2B and the 26B-A4B head; another model's recipe states its own, and
     # a null drops the base recipe's row (a model the paper gives no figure for)
@@ -315,6 +334,10 @@ class ExportConfig:
                  f"and {self.smoke_rounds}")
         _require(self.logprob_tolerance is None or self.logprob_tolerance > 0,
                  f"export.logprob_tolerance must be > 0 (or null), but got {self.logprob_tolerance}")
+        _require(self.two_bit_weights in TWO_BIT_WEIGHTS,
+                 f"export.two_bit_weights must be one of {', '.join(TWO_BIT_WEIGHTS)}, but got {self.two_bit_weights!r}")
+        _require(isinstance(self.int2_block_size, int) and self.int2_block_size >= 16 and self.int2_block_size % 16 == 0,
+                 f"export.int2_block_size must be a multiple of 16, but got {self.int2_block_size!r}")
 
 
 @dataclass(frozen=True)

@@ -132,3 +132,66 @@ def test_op_counts_count_the_kernels_not_the_views():
     with compat_torch.op_counts() as counts:
         y = torch.round(x.reshape(6, 4).t() / s).clamp_(-8.0, 7.0).mul_(s).add_(0.0)
     assert dict(counts) == {"div": 1, "round": 1, "clamp_": 1, "mul_": 1, "add_": 1} and y.shape == (4, 6)
+
+
+def test_a_small_graph_runs_on_one_thread_with_the_same_outputs(tmp_path):
+    """Graphs under SMALL_GRAPH_BYTES of weights get one onnxruntime thread (their ops are too small
+    to share), larger ones every core; the outputs do not depend on it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hyco import ort as hyco_ort
+
+    def graph(n: int) -> onnx.ModelProto:
+        w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), "w")
+        g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("ReduceMean", ["y"], ["m"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, n])],
+                              [helper.make_tensor_value_info("m", TensorProto.FLOAT, None)], initializer=[w])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+    small, large = graph(64), graph(4200)  # 16 KB and 70 MB of weights
+    assert hyco_ort.initializer_bytes(small) == 64 * 64 * 4
+    assert hyco_ort.initializer_bytes(large) > hyco_ort.SMALL_GRAPH_BYTES
+    seen = []
+    real = hyco_ort.session_options
+
+    def spy(*args, **kwargs):
+        so = real(*args, **kwargs)
+        seen.append(so)
+        return so
+
+    hyco_ort.session_options = spy
+    try:
+        outs = []
+        for model in (small, large):
+            sess = hyco_ort.session_for(model, tmp_path)
+            outs.append(sess.run(None, {"x": np.ones((4, model.graph.initializer[0].dims[0]), np.float32)}))
+    finally:
+        hyco_ort.session_options = real
+    assert [so.intra_op_num_threads for so in seen] == [1, 0]
+    assert np.isfinite(outs[1][0]).all()
+
+
+def test_the_deployed_graphs_compute_the_same_on_one_thread_as_on_every_core(ladder, monkeypatch):
+    """The bundle's QDQ graphs (the ladder's), fed the same codes, give the same bytes whether
+    onnxruntime runs them on one thread or on every core: one thread changes their speed only."""
+    import numpy as np
+    import onnx
+
+    from hyco import ort as hyco_ort
+    from hyco.io_spec import read_io_spec
+
+    bundle = ladder / "export" / "bundle"
+    specs = read_io_spec(bundle / "io_spec.json")
+    rng = np.random.default_rng(0)
+    for key in ("tree.qdq.onnx", "prefill.qdq.onnx", "mtp_step.qdq.onnx"):
+        spec, path = specs[key], bundle / "reference" / key
+        feeds = {t.name: (rng.uniform(-1, 1, t.shape) if np.dtype(t.dtype).kind == "f"
+                          else rng.integers(0, 255, t.shape)).astype(t.dtype) for t in spec.inputs}
+        runs = []
+        for limit in (hyco_ort.SMALL_GRAPH_BYTES, 0):  # one thread, then every core
+            monkeypatch.setattr(hyco_ort, "SMALL_GRAPH_BYTES", limit)
+            sess = hyco_ort.session_for(onnx.load(str(path), load_external_data=False), path.parent)
+            runs.append(sess.run(None, feeds))
+        assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True)), key

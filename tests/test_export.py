@@ -155,9 +155,11 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
     table3 = {r["item"]: r for r in footprint["table3"]}
     assert table3["SLM NPU graph"]["paper_bytes"] == 754_000_000
     assert table3["SLM NPU graph"]["bundle_bytes"] == blobs["tree_ctx_qnn.bin"] + blobs["prefill_ctx_qnn.bin"]
-    two = footprint["two_bit_weights"]  # the published map's 2-bit weights, and what their INT4 containers cost
+    two = footprint["two_bit_weights"]  # the published map's 2-bit weights, as they ship and why
     assert two["weights_at_2_bits"] > 0 and two["bytes_in_int4_containers"] == 2 * two["bytes_at_2_bits"] > 0
-    assert "test_htp_int2.py" in two["why"]
+    assert (two["encoding"], two["why"]) == (meta["two_bit_weights"]["encoding"], meta["two_bit_weights"]["why"])
+    in_blocks = two["weights_in_int2_blocks"] == two["weights_at_2_bits"] and two["encoding"] == "int2-blocks"
+    assert two["bytes_as_shipped"] == two["bytes_at_2_bits" if in_blocks else "bytes_in_int4_containers"]
     assert table3["MTP Drafter (graph + LUT)"]["bundle_bytes"] == (blobs["mtp_step_ctx_qnn.bin"]
                                                                   + meta["files"]["embed_lut.safetensors"]["bytes"])
 
@@ -429,3 +431,51 @@ def test_a_binary_over_the_session_budget_is_refused_naming_it_and_nothing_is_mo
     assert ExportConfig().max_session_bytes == 3_500_000_000
     with pytest.raises(ValueError, match="max_context_bytes must be > 0 and <= export.max_session_bytes"):
         ExportConfig(max_context_bytes=4 * 10**9)
+
+
+def test_a_bundle_over_the_session_budget_together_is_refused_naming_its_contexts(tiny_calibrated, tmp_path, capsys):
+    """The phone loads tree, prefill and the MTP step into one HTP session: each context fits the
+    budget alone here, together they do not, and export refuses the bundle in one line naming each
+    context with its bytes and the ways out; nothing is moved into place."""
+    import json
+
+    from hyco.cli import main
+
+    bundle = json.loads((tiny_calibrated / "export" / "bundle" / "bundle.json").read_text())
+    contexts = bundle["footprint"]["resident_per_context"]
+    session = bundle["footprint"]["session"]
+    assert session["resident_bytes"] == sum(contexts.values()) and session["fits"]
+    budget = (max(contexts.values()) + sum(contexts.values())) // 2  # over the largest, under the sum
+    out = tmp_path / "export"
+    argv = ["export", "--calibrate", str(tiny_calibrated / "calibrate"), "--convert", str(tiny_calibrated / "convert"),
+            "--qat", str(tiny_calibrated / "qat"), "--vocab", str(tiny_calibrated / "vocab"), "--out", str(out),
+            "--smoke-prompts", "0", "--max-context-bytes", str(budget), "--max-session-bytes", str(budget)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "into one HTP session" in err[0] and f"over export.max_session_bytes {budget:,}" in err[0]
+    for name in contexts:
+        assert name in err[0], name
+    assert "ways out" in err[0] and not out.exists()
+
+
+def test_preflight_estimates_the_session_from_the_checkpoints_below_what_ships(tiny_calibrated, tmp_path):
+    """The estimate counts the weights at their graph widths only, so it stays under the compiled
+    bundle's resident bytes (a bundle it refuses is over the budget compiled too), and a budget
+    below it is refused before any stage runs."""
+    import json
+
+    from ladder import LADDER, RECIPE
+
+    from hyco.preflight import npu_session_estimate, session_over_budget
+    from hyco.recipe import load_recipe
+
+    fixtures = tiny_calibrated / "fixtures"
+    recipe = load_recipe(RECIPE, [*LADDER, f"models.slm={fixtures / 'slm'}", f"models.assistant={fixtures / 'assistant'}"])
+    estimate, what = npu_session_estimate(recipe, tmp_path / "run")
+    shipped = json.loads((tiny_calibrated / "export" / "bundle" / "bundle.json").read_text())["footprint"]["session"]
+    assert 0 < estimate < shipped["resident_bytes"], (estimate, shipped)
+    assert "2 SLM contexts" in what and "MTP head" in what
+    assert session_over_budget(recipe, (estimate, what)) == []
+    low = load_recipe(RECIPE, [*LADDER, f"export.max_session_bytes={estimate - 1}", f"export.max_context_bytes={estimate - 1}"])
+    refused = session_over_budget(low, (estimate, what))
+    assert len(refused) == 1 and "over export.max_session_bytes" in refused[0]

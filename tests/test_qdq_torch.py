@@ -258,9 +258,10 @@ def test_an_op_without_emulation_is_named_at_load(tmp_path):
         TorchGraph(tmp_path / "missing.onnx")
 
 
-def test_unsqueeze_with_negative_axes_and_blocked_grids_refused(tmp_path):
+def test_unsqueeze_with_negative_axes_and_blocked_grids(tmp_path):
     """Negative Unsqueeze axes count from the output's end (onnxruntime's shapes); a blocked
-    DequantizeLinear is refused at load, naming the node."""
+    DequantizeLinear (INT2-block weights) spreads its scales over the blocks, as onnxruntime does;
+    a blocked QuantizeLinear is refused at load, naming the node."""
     model = helper.make_model(helper.make_graph(
         [helper.make_node("Unsqueeze", ["x", "axes"], ["y"])], "u",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
@@ -273,13 +274,24 @@ def test_unsqueeze_with_negative_axes_and_blocked_grids_refused(tmp_path):
     assert got.shape == want.shape == (1, 3, 1, 4, 1)
     np.testing.assert_array_equal(got, want)
     blocked = helper.make_model(helper.make_graph(
-        [helper.make_node("DequantizeLinear", ["w", "s"], ["y"], name="w_dq", axis=1, block_size=2)], "b",
-        [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        [init("w", np.ones((2, 4), np.int8)), init("s", np.ones((2, 2), np.float32))]),
+        [helper.make_node("DequantizeLinear", ["w", "s"], ["wd"], name="w_dq", axis=0, block_size=2),
+         helper.make_node("MatMul", ["x", "wd"], ["y"])], "b",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3])],
+        [init("w", np.arange(12, dtype=np.int8).reshape(4, 3) - 6), init("s", np.arange(1, 7, dtype=np.float32).reshape(2, 3))]),
         opset_imports=[helper.make_opsetid("", 21)])
     onnx.save(blocked, str(tmp_path / "b.onnx"))
-    with pytest.raises(HycoError, match="b.onnx: w_dq quantizes in blocks"):
-        TorchGraph(tmp_path / "b.onnx")
+    np.testing.assert_array_equal(TorchGraph(tmp_path / "b.onnx").run(["y"], {"x": x})[0],
+                                  ort_run(tmp_path / "b.onnx", {"x": x}, ["y"])[0])
+    quantized = helper.make_model(helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], name="x_q", axis=1, block_size=2)], "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [2, 4])],
+        [init("s", np.ones((2, 2), np.float32)), init("z", np.zeros((2, 2), np.uint8))]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(quantized, str(tmp_path / "q.onnx"))
+    with pytest.raises(HycoError, match="q.onnx: x_q quantizes in blocks"):
+        TorchGraph(tmp_path / "q.onnx")
 
 
 def test_the_device_setting(monkeypatch):
