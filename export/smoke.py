@@ -274,7 +274,8 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
     prompt_ids = [candidates[i] for i in chosen]
     opened["slm_prompts"] = [opened["slm_candidates"][i] for i in chosen]
     specs = opened["specs"]
-    htp, cpu = BundleSessions(bundle, backend="qnn", isolate=isolate), BundleSessions(bundle, backend="cpu", isolate=False)
+    htp = BundleSessions(bundle, backend="qnn", isolate=isolate).prestart()
+    cpu = BundleSessions(bundle, backend="cpu", isolate=False)
     graph_bound = graph_bounds(bundle, specs) if tolerance is None else dict.fromkeys(
         (k.split(".")[0] for k in specs), float(tolerance))
     log = PassLog(graph_bound, kv_steps={k.split(".")[0]: kv_grid_steps(spec) for k, spec in specs.items()},

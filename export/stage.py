@@ -302,7 +302,7 @@ def verdict_lines(report: dict[str, Any], config: ExportConfig) -> list[verdict.
         kv_said = f"; K/V {kv:.0f} steps (bound {kv_bound:.0f})" if kv is not None else ""
         lines.append(verdict.proof(
             "smoke through the binaries (HTP simulator vs onnxruntime CPU)", smoke["passed"],
-            f"{len(smoke['passes'])} passes, {sum(v['id_mismatches'] for v in by.values())} disagreeing; max |log-prob diff| "
+            f"{sum(v.get('passes', 0) for v in by.values())} passes, {sum(v['id_mismatches'] for v in by.values())} disagreeing; max |log-prob diff| "
             f"{diffs}{kv_said}", "each graph's bound from calibrate; committed streams equal"))
     session = report["footprint"].get("session")
     if session:

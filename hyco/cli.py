@@ -311,6 +311,11 @@ def _terminate(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No hub is reached at run time (every recipe reads local folders). huggingface_hub and datasets
+    # read these once, at import: set before anything imports them, a dataset source is read from
+    # its files or the local cache without ~20 s of network retries first. The user's own setting wins.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -436,6 +436,10 @@ class CheckConfig:
     # the check stage passes those sections' values, so graphs and runtime share one number.
     wire_bits: Literal[0, 8] = 8  # hand-off on the wire: 8-bit rows (0: float, no quantization)
     threads: int = 0  # torch CPU threads for the check (0: torch's default)
+    # 0: with threads 1, small models (under 256 MB on disk), no GPU and two cores or more, a second
+    # process decodes some of the configurations beside this one (the same numbers: each process
+    # runs one thread); 1: every configuration in this process
+    processes: Literal[0, 1] = 0
 
     def __post_init__(self):
         _require(0 < self.rate < 1, f"check.rate must be in (0, 1), but got {self.rate}")

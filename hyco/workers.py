@@ -70,3 +70,30 @@ def _measured(fn: Callable[..., Any], job: tuple) -> tuple[Any, float]:
     from hyco.artifacts import peak_rss_mb
 
     return fn(*job), peak_rss_mb()
+
+
+def in_background(fn: Callable[..., Any], job: Any, what: str) -> concurrent.futures.Future:
+    """fn(job) in one fresh process (one CPU thread) while this one goes on: its future. A worker
+    that dies raises HycoError naming `what` at `.result()`; its peak RSS counts in this process's."""
+    from hyco.artifacts import note_child_peak, rss_mb
+
+    parent = rss_mb()
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_worker_init, initargs=(1,))
+    inner = pool.submit(_measured, fn, (job,))
+    outer: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            result, peak = f.result()
+            note_child_peak(peak, parent)
+            outer.set_result(result)
+        except concurrent.futures.process.BrokenProcessPool:
+            outer.set_exception(HycoError(f"{what}: a worker process died (out of memory?)"))
+        except BaseException as e:  # the worker's own exception, as it was
+            outer.set_exception(e)
+        pool.shutdown(wait=False)
+
+    inner.add_done_callback(done)
+    return outer
+

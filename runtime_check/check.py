@@ -7,6 +7,7 @@ caches, and prompt i uses the same seed under every configuration.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from hyco.runtime.decode import DecodeLog, decode, decode_alone
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
 from hyco.runtime.inputs import load_model, load_prompts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
+from hyco.workers import in_background
 from hyco.workloads import Subset, chat_ids, even_subset, read_workload
 
 
@@ -378,11 +380,22 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     pooled_items = [it for run in runs for it in run[3]]  # a question's runs cluster with it
     keep = None if keep_ids is None else keep_ids.numpy()
     results, lossless, all_logs = {}, {}, {}
-    for cfg in progress(decode_configs, desc="configurations"):
-        run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
-                   max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
-        per_run = [decode_all(ids, cfg, run_config, phone, seeds=seeds, **run)
-                   for run_config, ids, _, _, seeds in runs]
+    share = second_process_share(decode_configs, config, [verifier, assistant, slm])
+    request = dict(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
+                   placement=placement, torch_head=head is not None, needs_slm=slm_model is not None,
+                   max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir,
+                   phone=phone, runs=[(run_config, ids, seeds) for run_config, ids, _, _, seeds in runs])
+    beside = in_background(decode_share, {**request, "configs": share}, "check's second process") if share else None
+    decoded = {}
+    run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
+               max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
+    for cfg in progress([c for c in decode_configs if c not in share], desc="configurations"):
+        decoded[cfg.name] = [decode_all(ids, cfg, run_config, phone, seeds=seeds, **run)
+                             for run_config, ids, _, _, seeds in runs]
+    if beside is not None:
+        decoded.update(beside.result())
+    for cfg in decode_configs:  # in the recipe's order, wherever each was decoded
+        per_run = decoded[cfg.name]
         results[cfg.name], all_logs[cfg.name] = config_results(cfg, per_run, pooled_items, keep, config)
         if cfg.epsilon >= 1.0 and not cfg.alone:
             lossless[cfg.name] = lossless_verdict(per_run, [run[2] for run in runs])
@@ -413,6 +426,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     paired = paired_mats({n: v for n, v in all_logs.items() if not results[n]["alone"]}, pooled_items,
                          config.bootstrap_resamples, config.seed)
     settings = {"check": to_dict(config), "phone": to_dict(phone), "configs": names, "backends": backends, "prompts": len(prompt_ids),
+                "second_process": [c.name for c in share],
                 "workload": workload_stats(config, workload, items, [t for t, _ in reference], subset),
                 "paired_mat": paired,
                 "prompt_selection": selection,
@@ -573,6 +587,44 @@ def workload_stats(config: CheckConfig, workload: Path | None, items: list[dict]
             "second_turns": sum(it["turn"] == 2 for it in items),
             "categories": {c: sum(it["category"] == c for it in items) for c in dict.fromkeys(it["category"] for it in items)},
             "reference_text": text_stats(texts)}
+
+
+# Models under this many bytes on disk load in a second process in seconds, beside the first.
+SMALL_CHECKPOINTS = 256 * 1024**2
+
+
+def second_process_share(decode_configs: list[DecodeConfig], config: CheckConfig, folders: list) -> list[DecodeConfig]:
+    """The configurations a second process decodes beside this one (every second, from the second:
+    it starts late by its imports and loads), or none: only small models on a CPU with cores to
+    spare, each process on one thread (`check.threads` 1), so the numbers are this process's."""
+    from hyco.launch import launched
+    from hyco.preflight import checkpoint_bytes
+
+    if (config.processes == 1 or config.threads != 1 or launched() or torch.cuda.is_available()
+            or (os.cpu_count() or 1) < 2 or len(decode_configs) < 4 or config.backend != "onnxruntime"):
+        return []
+    if sum(checkpoint_bytes(Path(f)) for f in folders if f is not None) >= SMALL_CHECKPOINTS:
+        return []
+    return decode_configs[1::2][: len(decode_configs) // 2 - 1]
+
+
+def decode_share(request: dict[str, Any]) -> dict[str, list[list[DecodeLog]]]:
+    """In a second process: the models loaded as the first loads them, and `request["configs"]`
+    decoded on the same prompts, runs and seeds (`_run_check`)."""
+    from hyco.loading import load_tokenizer
+
+    torch.set_num_threads(1)
+    verifier_model = load_model(request["verifier"], "verifier", request["placement"])
+    head = load_model(request["assistant"], "assistant", request["placement"]) if request["torch_head"] else None
+    slm_model = load_model(request["slm"], "SLM") if request["needs_slm"] else None
+    vocab_size = verifier_model.config.get_text_config().vocab_size
+    load_tokenizer(request["tokenizer"])  # refused here as in the first process, should it be unreadable
+    keep_ids = _keep_ids(request["vocab_dir"], request["tokenizer"], vocab_size)
+    run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids,
+               eos_ids=set(eos_ids_of(verifier_model)), max_new_tokens=request["max_new_tokens"],
+               convert_dir=request["convert_dir"], qat_dir=request["qat_dir"], bundle_dir=request["bundle_dir"])
+    return {cfg.name: [decode_all(ids, cfg, run_config, request["phone"], seeds=seeds, **run)
+                       for run_config, ids, seeds in request["runs"]] for cfg in request["configs"]}
 
 
 def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:

@@ -25,6 +25,48 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 if "HYCO_CACHE" not in os.environ:
     os.environ["HYCO_CACHE"] = tempfile.mkdtemp(prefix="hyco-test-cache-")
 
+# No hub is reachable from the tests, as from where the tool runs. hyco/chat.py sets these two
+# before it imports `datasets`, but huggingface_hub reads them once, at its own import: in a test
+# session transformers has imported it long before, and an unknown dataset then retried the
+# network for 23 s (tests/test_preflight.py) before it was refused. Set before anything imports it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# The fast tier runs two pytest-xdist workers on this machine's cores: each gets its share of them
+# for torch's intra-op pool, and so do the processes it starts (OMP_NUM_THREADS: the ladder, the
+# CLI runs). Two workers with a pool of one thread per core each spin-wait against each other on
+# the tiny models' many small ops: a bridged decode that takes 3 s alone took 16-100 s beside the
+# other worker, qat on the tiny masked head 54 s instead of 6.
+# A caller's own OMP_NUM_THREADS is left as it is; the slow tier (one process) keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    if "torch" in sys.modules:  # pyproject's filterwarnings (torch.jit.TracerWarning) imported it already
+        sys.modules["torch"].set_num_threads(_share)
+
+
+def pytest_configure(config):
+    # xdist's --dist loadfile hands out the files in the order pytest_collection_modifyitems below
+    # leaves them (its default is the files with the most tests first, whatever they read)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist: the files none of whose tests read the ladder first, then those that do,
+    each group with the files with the most tests first (xdist's own order). The ladder is built in
+    the background from the session's start (`_ladder_in_the_background`): by the time a worker
+    reaches a file that reads it, it is there, where xdist's order sent both workers to one early."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    files: dict[str, list] = {}
+    for i, item in enumerate(items):
+        f = files.setdefault(item.nodeid.split("::")[0], [False, 0, i])  # reads the ladder, -tests, first index
+        f[0] |= "ladder" in item.fixturenames
+        f[1] -= 1
+    items.sort(key=lambda item: files[item.nodeid.split("::")[0]])  # stable: a file's own order stays
+
 
 @pytest.fixture(scope="session")
 def tiny_family():
@@ -75,28 +117,86 @@ def reference_run(tmp_path_factory):
     return base / "reference", base / "run"
 
 
+def _ladder_paths(tmp_path_factory) -> tuple[Path, Path]:
+    """(the session's folder, which holds ladder.lock; the ladder's run folder)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    return root, root / "ladder" / "tiny"
+
+
+def _ladder_process(out: Path) -> subprocess.Popen:
+    """The ladder's run, as a user runs it, in its own process: tests/test_console.py reads what it printed."""
+    from ladder import run_args
+
+    return subprocess.Popen([sys.executable, "-m", "hyco.cli", *run_args(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _ladder_printed(root: Path, stdout: str, stderr: str) -> None:
+    (root / "ladder").mkdir(parents=True, exist_ok=True)
+    (root / "ladder" / "stdout.txt").write_text(stdout)
+    (root / "ladder" / "stderr.txt").write_text(stderr)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ladder_in_the_background(request, tmp_path_factory):
+    """Under pytest-xdist, where a test of the session reads the ladder: the first worker to start
+    starts its build in the background, under the ladder's lock, and both workers run other files
+    meanwhile (each used to stand idle through the whole build at its first ladder test). The
+    `ladder` fixture waits for the lock as before. Not in the slow tier (one process): its memory
+    and time figures want the machine to themselves."""
+    import fcntl
+    import threading
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not any("ladder" in item.fixturenames
+                                                            for item in request.session.items):
+        yield
+        return
+    root, out = _ladder_paths(tmp_path_factory)
+    lock = open(root / "ladder.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # the other worker builds it
+        lock.close()
+        yield
+        return
+    if (out / "run_report.json").is_file():  # built already
+        lock.close()
+        yield
+        return
+    process = _ladder_process(out)
+
+    def finish():
+        try:
+            _ladder_printed(root, *process.communicate())
+        finally:
+            lock.close()  # the lock's release: the `ladder` fixture reads the run, or rebuilds a failed one
+
+    thread = threading.Thread(target=finish, daemon=True)
+    thread.start()
+    yield
+    if process.poll() is None:  # the session ended before a test needed it
+        process.kill()
+    thread.join()
+
+
 @pytest.fixture(scope="session")
 def ladder(tmp_path_factory):
     """The fast tier's one pipeline (tests/ladder.py): `hyco-convert run` of the CI-sized tiny
     recipe, every stage from fixtures to check, once per session (one build shared by pytest-xdist's
-    workers: the first builds it under a lock). The run folder; read-only."""
+    workers: the first builds it under a lock, in the background from the session's start, see
+    `_ladder_in_the_background`). The run folder; read-only."""
     import fcntl
-    import os
 
-    from ladder import run_args
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's folder, above each worker's own
-    out = root / "ladder" / "tiny"
+    root, out = _ladder_paths(tmp_path_factory)
     with open(root / "ladder.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "run_report.json").is_file():
-            # As a user runs it, in its own process: tests/test_console.py reads what it printed.
-            done = subprocess.run([sys.executable, "-m", "hyco.cli", *run_args(out)], capture_output=True, text=True)
-            (root / "ladder" / "stdout.txt").write_text(done.stdout)
-            (root / "ladder" / "stderr.txt").write_text(done.stderr)
-            assert done.returncode == 0, done.stderr[-3000:]
+            process = _ladder_process(out)
+            stdout, stderr = process.communicate()
+            _ladder_printed(root, stdout, stderr)
+            assert process.returncode == 0, stderr[-3000:]
     return out
 
 

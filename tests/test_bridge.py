@@ -311,9 +311,16 @@ def test_the_cross_family_verifier_is_a_transformers_checkpoint_of_another_famil
     assert report["exchanges"] > 10 and report["loss_first"] > 0
 
 
+@pytest.mark.slow
 def test_the_bridge_bench_reports_its_figures(tmp_path, tiny_family_distilled):
     """bench/bench_bridge.py end to end on a few-step verifier: the report holds each
-    configuration's figures, the text's statistics, and the exact run's lossless verdict."""
+    configuration's figures, the text's statistics, and the exact run's lossless verdict.
+
+    In the slow tier (~9 s beside the other worker, mostly the bench's own process starting): its
+    lossless verdict is a second proof of the fast tier's
+    test_the_bridge_runs_the_tiny_slm_against_a_verifier_of_another_family (`decode_bridged`, a
+    tiny Gemma SLM drafting for a Llama verifier with a byte-level BPE tokenizer, specedge and
+    specedge-eps, the exact output equal to the verifier's own); the rest is the bench's report."""
     import json
     import subprocess
 

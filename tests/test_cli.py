@@ -185,3 +185,21 @@ def test_every_recipe_field_has_its_comment():
     assert field_help(CheckConfig)["chain_depth"] == "K"
     assert "sweep_contexts" in field_help(TimingConfig) and not field_help(WorkloadConfig).get("schema")
     assert {f.name for f in dataclasses.fields(CheckConfig)} >= set(field_help(CheckConfig))
+
+
+def test_the_cli_runs_offline_before_any_hub_library_is_imported():
+    """huggingface_hub reads HF_HUB_OFFLINE once, at import: the CLI sets it (and datasets') before
+    anything imports them, so a command never retries the network; a user's own setting wins."""
+    import subprocess
+    import sys
+
+    probe = ("import os, sys; from hyco.cli import main; main(['recipes']); "
+             "import huggingface_hub.constants as c, datasets.config as d; "
+             "print(c.HF_HUB_OFFLINE, d.HF_DATASETS_OFFLINE)")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True True"
+    env["HF_HUB_OFFLINE"] = "0"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1].startswith("False")

@@ -328,7 +328,7 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
         out.mkdir(parents=True)
         (out / "report.json").write_text("{}")
         (out / "summary.md").write_text("smoke\n")
-        return {"passed": False, "headline": "smoke FAILED: 1 prompts x 2 rounds", "summary_md": "## smoke\n",
+        return {"passed": False, "headline": "smoke FAILED: 1 prompts x 2 rounds", "summary_md": "## smoke\n", "passes": [],
                 "by_graph": {"tree": {"max_logprob_diff": 0.4, "bound": 0.1, "id_mismatches": 3}}}
 
     monkeypatch.setattr(smoke_module, "smoke", failing_smoke)

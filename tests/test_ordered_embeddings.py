@@ -263,13 +263,13 @@ def test_check_drafts_with_the_masked_head(fitted_masked, tiny_family_distilled,
     1.04 random)."""
     from test_runtime_check_stage import write_recipe
 
-    def check(family, folder):
-        recipe = write_recipe(folder / "recipe.yaml", family, configs=["hyco-exact", "cloud-mtp"], prompts=2)
+    def check(family, folder, configs):
+        recipe = write_recipe(folder / "recipe.yaml", family, configs=configs, prompts=2)
         assert main(["check", "--recipe", str(recipe)]) == 0
         return json.loads((folder / "run" / "check" / "report.json").read_text())
 
     (tmp_path / "fitted").mkdir()
-    report = check(fitted_masked, tmp_path / "fitted")
+    report = check(fitted_masked, tmp_path / "fitted", ["hyco-exact", "cloud-mtp"])
     for name in ("hyco-exact", "cloud-mtp"):
         v = report["lossless"][name]
         assert v["equal"] is True and v["tokens_compared"] >= 8 and v["accepted_draft_tokens"] > 0, (name, v)
@@ -277,7 +277,8 @@ def test_check_drafts_with_the_masked_head(fitted_masked, tiny_family_distilled,
     (tmp_path / "random").mkdir()
     scrambled = ordered_assistant(tiny_family_distilled["assistant"], tmp_path / "random" / "assistant",
                                   NUM_CENTROIDS, TOP_K, fitted=False)
-    random = check({**fitted_masked, "assistant": scrambled}, tmp_path / "random")
+    # only the configuration read below: Cloud+MTP's figures are the same with hyco-exact beside it or not
+    random = check({**fitted_masked, "assistant": scrambled}, tmp_path / "random", ["cloud-mtp"])
     assert random["lossless"]["cloud-mtp"]["equal"] is True
     assert random["configs"]["cloud-mtp"]["mat"] < report["configs"]["cloud-mtp"]["mat"] - 0.3
 

@@ -232,8 +232,14 @@ def test_several_runs_give_the_mean_mat_and_its_sd_and_each_run_stays_lossless(t
     assert r["mat_ci"]["clusters"] == 1  # one question, its three runs resampled together
 
 
+# The disk-offloaded placement lives in the slow tier (~9 s beside the other worker, twice the
+# BF16 case: accelerate reads every layer back from disk on each pass). It is a second proof of
+# what the fast tier holds already: that a recipe's placement reaches the check (the BF16 case
+# here) and that the verifier offloaded to disk computes what the one in memory does
+# (tests/test_placement.py).
 @pytest.mark.parametrize("placement", [{"dtype": "bfloat16"},
-                                       {"dtype": "float32", "max_memory": {"cpu": "1MiB"}, "offload_folder": "offload"}])
+                                       pytest.param({"dtype": "float32", "max_memory": {"cpu": "1MiB"},
+                                                     "offload_folder": "offload"}, marks=pytest.mark.slow)])
 def test_check_places_the_verifier_as_the_recipe_says(tiny_family_distilled, tmp_path, placement):
     """recipe.placement reaches the check's verifier and server head as it reaches answers' and
     qat's: BF16, or accelerate's device map with layers offloaded to disk (on this CPU). Exact
@@ -256,3 +262,28 @@ def test_check_places_the_verifier_as_the_recipe_says(tiny_family_distilled, tmp
         assert v["equal"] is True and v["tokens_compared"] >= 8, (name, v)
     for name in ("hyco-exact", "cloud-mtp"):  # the drafts (the server head's too) are accepted, not only bonuses
         assert report["configs"][name]["mat"] > 1.5, report["configs"][name]
+
+
+def test_a_second_process_decodes_its_share_to_the_same_figures(ladder, tmp_path):
+    """With small models and check.threads 1, a second process decodes every second configuration
+    beside the first: every figure but the measured times is the one process's, and lossless the same."""
+    import json
+
+    from ladder import LADDER, RECIPE, set_args
+
+    from hyco.cli import main
+
+    configs = "check.configs=[hyco,hyco-exact,cloud-mtp,specedge,slm-alone]"
+    reports = {}
+    for processes in (1, 0):
+        out = tmp_path / f"check-{processes}"
+        sets = [*LADDER, configs, "check.threads=1", f"check.processes={processes}", "check.timing.enabled=false"]
+        assert main(["check", str(RECIPE), "--run-dir", str(ladder), "--out", str(out), *set_args(sets)]) == 0
+        reports[processes] = json.loads((out / "report.json").read_text())
+    timed = ("ms", "_s")
+    for name, serial in reports[1]["configs"].items():
+        beside = reports[0]["configs"][name]
+        assert {k: v for k, v in serial.items() if not any(t in k for t in timed)} == \
+            {k: v for k, v in beside.items() if not any(t in k for t in timed)}, name
+    assert reports[1]["lossless"] == reports[0]["lossless"] and len(reports[0]["lossless"]) == 3
+    assert reports[1]["settings"]["second_process"] == [] and reports[0]["settings"]["second_process"] == ["hyco-exact"]

@@ -65,9 +65,10 @@ def test_workers_take_their_share_of_the_cores_and_sessions_use_it(tmp_path, mon
     import numpy as np
     from test_int4_matmul import weight_graph
 
-    from hyco import workers
+    from hyco import ort, workers
     from hyco.ort import ort_session
 
+    monkeypatch.setattr(ort, "SMALL_GRAPH_BYTES", 0)  # this graph is small: keep the default's every-core pool
     assert workers.cpu_threads() == 0
     assert workers.in_processes(_threads, [(), ()], "threads") == [max(1, (os.cpu_count() or 1) // 2)] * 2
     path, _, _ = weight_graph(tmp_path, 2048, 1536, [1, 33], False, seed=3)

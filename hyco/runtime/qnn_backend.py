@@ -27,6 +27,8 @@ from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec
 from hyco.runtime.mtp_onnx import MtpChainOnnx
 from hyco.runtime.slm_onnx import SlmOnnx
 
+PRESTART_MAX_BYTES = 256 * 1024**2  # context bytes of a bundle whose HTP workers may load side by side
+
 SPEC_KEYS = GRAPHS  # role -> io_spec key (calibrate's file names)
 
 
@@ -66,11 +68,14 @@ class GraphSession:
     """One graph (context binary or reference QDQ graph) behind `run(names, feeds)`, in this
     process or in a worker; records load time and per-pass times."""
 
-    def __init__(self, path: Path, *, backend: str, soc_model: int, isolate: bool, opener=None):
-        """`opener(path)`: opens the graph in this process instead of `_open` (the torch executor)."""
+    def __init__(self, path: Path, *, backend: str, soc_model: int, isolate: bool, opener=None, wait: bool = True):
+        """`opener(path)`: opens the graph in this process instead of `_open` (the torch executor).
+        `wait` False (isolated only): the worker starts loading and `ready()` waits for it, so
+        several workers load at once."""
         self.path, self.backend = Path(path), backend
         self.pass_s: list[float] = []
         self.process = None
+        self.load_s: float | None = None
         if opener is not None:
             start = time.perf_counter()
             self.session = opener(self.path)
@@ -80,17 +85,25 @@ class GraphSession:
             self.conn, child = ctx.Pipe()
             self.process = ctx.Process(target=_serve, args=(child, str(path), backend, soc_model), daemon=True)
             self.process.start()
-            reply = self.conn.recv()
-            if reply[0] == "error":
-                self.close()
-                raise HycoError(reply[1])
-            self.load_s = reply[1]
+            if wait:
+                self.ready()
         else:
             start = time.perf_counter()
             self.session = _open(str(path), backend, soc_model)
             self.load_s = time.perf_counter() - start
 
+    def ready(self) -> GraphSession:
+        """An isolated worker's graph loaded (its load time read), or its error raised."""
+        if self.process is not None and self.load_s is None:
+            reply = self.conn.recv()
+            if reply[0] == "error":
+                self.close()
+                raise HycoError(reply[1])
+            self.load_s = reply[1]
+        return self
+
     def run(self, names, feeds):
+        self.ready()
         if self.process is None:
             start = time.perf_counter()
             out = self.session.run(names, feeds)
@@ -153,6 +166,24 @@ class BundleSessions:
         self.specs = read_io_spec(self.bundle / "io_spec.json")
         self.graphs: dict[str, Any] = {}
         self.parts: dict[str, list[GraphSession]] = {}
+        self._started: dict[str, list[GraphSession]] = {}  # isolated workers loading, not yet waited for
+
+    def prestart(self) -> BundleSessions:
+        """Every graph's isolated HTP workers started at once, to load side by side (each takes
+        seconds to start); `open` then waits for the one it needs. Only for small bundles: the
+        simulator holds several times a context's bytes while loading, so full-size contexts
+        load one at a time to keep the peak memory of one."""
+        contexts = sum((self.bundle / p["context"]).stat().st_size
+                       for g in self.meta["graphs"].values() for p in g["parts"])
+        if self.backend == "qnn" and self.isolate and contexts <= PRESTART_MAX_BYTES:
+            for role in self.meta["graphs"]:
+                if role not in self.parts and role not in self._started:
+                    self._started[role] = self._start(role)
+        return self
+
+    def _start(self, role: str) -> list[GraphSession]:
+        return [GraphSession(self.bundle / p["context"], backend="qnn", soc_model=self.meta["soc_model"],
+                             isolate=self.isolate, wait=False) for p in self.meta["graphs"][role]["parts"]]
 
     def open(self, spec_key: str):
         role = next((r for r, k in SPEC_KEYS.items() if k == spec_key), None)
@@ -168,8 +199,7 @@ class BundleSessions:
                                       opener=self._torch_graph if self.backend == "torch" else None)]
                 self.graphs[role] = parts[0]
             else:
-                parts = [GraphSession(self.bundle / p["context"], backend="qnn", soc_model=self.meta["soc_model"],
-                                      isolate=self.isolate) for p in g["parts"]]
+                parts = [part.ready() for part in self._started.pop(role, None) or self._start(role)]
                 if len(parts) == 1:
                     self.graphs[role] = parts[0]
                 else:
@@ -204,9 +234,10 @@ class BundleSessions:
         return out
 
     def close(self) -> None:
-        for parts in self.parts.values():
+        for parts in [*self.parts.values(), *self._started.values()]:
             for p in parts:
                 p.close()
+        self._started = {}
 
 
 _SHARED: dict[tuple[str, str, bool, str], BundleSessions] = {}
