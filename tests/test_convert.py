@@ -513,7 +513,7 @@ def test_multimodal_layout_gives_the_same_graph(tiny_text_family, tmp_path):
                          add=extra, config_edit=to_multimodal)
     out = tmp_path / "out"
     # topk_slice 1000 < 4096 vocabulary: the in-graph top-k searches 5 slices, as 86,089 needs 2
-    config = ConvertConfig(rows=33, prefill_chunk=16, ring_full=128, ring_sliding=64, topk=8, parity=False,
+    config = ConvertConfig(rows=4, prefill_chunk=4, ring_full=16, ring_sliding=8, topk=8, parity=False,
                            use_keep_set=False, topk_slice=1000)
     convert(checkpoint=mm, out=out, config=config)
     convert(checkpoint=src, out=tmp_path / "text", config=config)

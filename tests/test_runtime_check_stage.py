@@ -264,6 +264,7 @@ def test_check_places_the_verifier_as_the_recipe_says(tiny_family_distilled, tmp
         assert report["configs"][name]["mat"] > 1.5, report["configs"][name]
 
 
+@pytest.mark.slow  # two check runs over five configurations: ~11 s
 def test_a_second_process_decodes_its_share_to_the_same_figures(ladder, tmp_path):
     """With small models and check.threads 1, a second process decodes every second configuration
     beside the first: every figure but the measured times is the one process's, and lossless the same."""

@@ -30,8 +30,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hyco.artifacts import write_json
 from hyco.chat import EMPTY_THOUGHT
 from hyco.console import progress
@@ -130,7 +128,6 @@ def translate_answer(answer: list[int], eos: set[int], verifier_tokenizer, token
     return encode(tokenizer, text)[0] + ([end_of_turn] if ended else [])
 
 
-@torch.no_grad()
 def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, max_new_tokens: dict[str, int],
                      max_prompt_tokens: int, temperature: float = 1.0, top_k: int = 64, top_p: float = 0.95,
                      seed: int = 0, positions: Iterable[int] | None = None, verifier_tokenizer=None,
@@ -142,6 +139,8 @@ def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, m
     bridge): it answers its own chat template's prompt, and the record holds the prompt and the
     answer's text in `tokenizer`'s ids, the SLM's (`slm_eos`: its end-of-turn ids, which also end
     a corpus answer)."""
+    import torch  # here, not at the top: the CLI imports this module to build its --help
+
     if source not in SOURCES:
         raise HycoError(f"answers.source must be one of {list(SOURCES)}, but got {source!r}")
     eos = eos_ids_of(verifier)
