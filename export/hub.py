@@ -7,7 +7,7 @@ Needs a token: `QAI_HUB_API_TOKEN`, or the client's own config file (~/.qai_hub/
 and exits 2. The hub device must be the recipe's SoC (`soc-model:` and `hexagon:` attributes), so
 the phone's binaries match the bundle's. OUT is written atomically: a failed job leaves nothing.
 
-With `export.share_contexts` (`--share-contexts`), tree and prefill carry the same weights, so they
+With `export.slm_graphs: shared`, tree and prefill carry the same weights, so they
 are compiled to QNN DLCs and joined by the hub's link job into one context binary (slm.bin) with one
 copy of the weights, as qai_hub_models links an LLM's prompt and token graphs; each graph is then
 profiled from that binary (`--qnn_options context_enable_graphs=ROLE`). The device must advertise
@@ -35,7 +35,7 @@ from hyco.recipe import ExportConfig
 
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
 DLC_OPTIONS = "--target_runtime qnn_dlc --compute_unit npu"  # a link job's inputs
-LINKED = ("tree", "prefill")  # the SLM graphs that share one context under export.share_contexts
+LINKED = ("tree", "prefill")  # the SLM graphs that share one context under export.slm_graphs shared
 WEIGHT_SHARING = "htp-supports-weight-sharing:true"
 NO_TOKEN = ("export --hub needs a qai-hub API token: set QAI_HUB_API_TOKEN or run `qai-hub configure --api_token "
             "TOKEN` (nothing was submitted)")
@@ -67,9 +67,11 @@ def compile_requests(calibrate: Path, config: ExportConfig) -> list[dict[str, An
     specs = read_io_spec(Path(calibrate) / "io_spec.json")
     requests = []
     for role, name in GRAPHS.items():
+        if role == "prefill" and config.slm_graphs == "tree-only":  # the tree graph prefills too
+            continue
         if name not in specs or not (Path(calibrate) / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
-        linked = config.share_contexts and role in LINKED
+        linked = config.slm_graphs == "shared" and role in LINKED
         # a linked graph's name in the shared context is its role, what the profile jobs select
         options = f"{DLC_OPTIONS} --qnn_options context_enable_graphs={role}" if linked else OPTIONS
         requests.append({"role": role, "model": Path(calibrate) / name, "device": hub.Device(config.device),
@@ -90,9 +92,9 @@ def check_device(client, config: ExportConfig) -> list[str]:
         found = [a for a in attributes if a.startswith(("soc-model:", "hexagon:"))]
         raise HycoError(f"qai-hub device {config.device!r} is {found}, not soc_model {config.soc_model} ({chip}, "
                         f"v{arch}): set export.soc_model to the device's, or pick a {chip} device")
-    if config.share_contexts and WEIGHT_SHARING not in attributes:
-        raise HycoError(f"qai-hub device {config.device!r} does not advertise {WEIGHT_SHARING}: export.share_contexts "
-                        "needs it (set share_contexts false, or pick a device that shares weights)")
+    if config.slm_graphs == "shared" and WEIGHT_SHARING not in attributes:
+        raise HycoError(f"qai-hub device {config.device!r} does not advertise {WEIGHT_SHARING}: export.slm_graphs "
+                        "shared needs it (set export.slm_graphs to tree-only, or pick a device that shares weights)")
     return attributes
 
 
@@ -144,7 +146,7 @@ def _profile(client, target, r: dict[str, Any], options: str = ""):
 
 
 def _run_jobs(client, requests: list[dict[str, Any]], tmp: Path) -> tuple[list[dict[str, Any]], dict | None]:
-    """Compile, download and profile each graph; the linked ones (export.share_contexts) through
+    """Compile, download and profile each graph; the linked ones (export.slm_graphs shared) through
     one link job. Returns the graphs' rows and the shared context's (None without one)."""
     jobs, compiled = [], {}
     for r in requests:

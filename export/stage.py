@@ -53,18 +53,20 @@ def _copy_graph(src: Path, dst_dir: Path) -> None:
         _copy(src.parent / loc, dst_dir / loc, f"external data of {src.name}")
 
 
-def bundle_graphs(qat: Path | None) -> dict[str, str]:
-    """The roles the bundle ships: the SLM's two graphs, and the MTP step graph when the recipe
-    has an MTP Drafter (qat)."""
-    return {role: name for role, name in GRAPHS.items() if role != "mtp_step" or qat is not None}
+def bundle_graphs(qat: Path | None, slm_graphs: str) -> dict[str, str]:
+    """The roles the bundle ships: the SLM's tree graph, its prefill graph unless the tree graph
+    prefills too (export.slm_graphs tree-only), and the MTP step graph when the recipe has an MTP
+    Drafter (qat)."""
+    return {role: name for role, name in GRAPHS.items()
+            if (role != "mtp_step" or qat is not None) and (role != "prefill" or slm_graphs != "tree-only")}
 
 
 def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path | None, vocab: Path,
-                  tokenizer: Path | None, reference_graphs: bool) -> dict[str, GraphSpec]:
-    """Copy the non-graph pieces into the bundle; return calibrate's graph specs (`qat` None:
-    the SLM's graphs only)."""
+                  tokenizer: Path | None, config: ExportConfig) -> dict[str, GraphSpec]:
+    """Copy the non-graph pieces into the bundle; return the specs of calibrate's graphs it ships
+    (`qat` None: the SLM's graphs only)."""
     specs = read_io_spec(calibrate / "io_spec.json")
-    roles = bundle_graphs(qat)
+    roles = bundle_graphs(qat, config.slm_graphs)
     for role, name in roles.items():
         if name not in specs or not (calibrate / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
@@ -97,7 +99,7 @@ def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path | N
             raise HycoError(f"{tokenizer / 'tokenizer.json'}: tokenizer not found")
         for n in found:
             _copy(tokenizer / n, bundle / "tokenizer" / n, "tokenizer file")
-    if reference_graphs:
+    if config.reference_graphs:
         for name in roles.values():
             _copy_graph(calibrate / name, bundle / "reference")
     return specs
@@ -113,13 +115,13 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
 
     graphs = {}
     shared = {}
-    if config.share_contexts:  # tree and prefill: one binary, one copy of their common weights
+    if config.slm_graphs == "shared":  # tree and prefill: one binary, one copy of their common weights
         from hyco.qnn import compile_shared_isolated
 
         roles = ("tree", "prefill")
         if any(weight_bytes(calibrate / GRAPHS[r]) > config.max_context_bytes for r in roles):
-            raise HycoError("export.share_contexts: tree or prefill exceeds export.max_context_bytes; a split graph "
-                            "cannot share its context (set share_contexts false)")
+            raise HycoError("export.slm_graphs shared: tree or prefill exceeds export.max_context_bytes; a split "
+                            "graph cannot share its context (set export.slm_graphs to tree-only or separate)")
         with phase("compile tree+prefill (one shared context)") if phase else contextlib.nullcontext():
             compiled = compile_shared_isolated([(calibrate / GRAPHS[r], r) for r in roles], bundle,
                                                soc_model=config.soc_model,
@@ -228,7 +230,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
                         verifier=Path(verifier) if verifier else None)
     graphs = meta["graphs"]
     smoke = None
-    if config.smoke_prompts and verifier is not None and not config.share_contexts:
+    if config.smoke_prompts and verifier is not None and config.slm_graphs != "shared":
         from hyco.export.smoke import smoke as run_smoke
 
         with phase("smoke"):
@@ -246,6 +248,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
              "context_blob_bytes": p["context_blob_bytes"], "compile_s": p["compile_s"], "nodes": p["nodes"]}
             for role, g in graphs.items() for p in g["parts"]]
     report = {"soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "qnn_sdk": meta["qnn_sdk"],
+              "slm_graphs": config.slm_graphs,
               "htp_optimization_level": config.htp_optimization_level,
               "graphs": rows, "two_bit_weights": meta["two_bit_weights"], "footprint": meta["footprint"], "smoke": smoke,
               "phases": phase.rows,
@@ -289,10 +292,13 @@ def verdict_lines(report: dict[str, Any], config: ExportConfig) -> list[verdict.
     qnn = ".".join(report["qnn_sdk"].lstrip("v").split(".")[:2])
     binaries = (f"{len(report['graphs'])} context binaries for {report['chip']} (soc {report['soc_model']}, "
                 f"Hexagon v{report['htp_arch']}), QNN {qnn}")
-    lines = [verdict.Line("built", verdict.INFO, binaries)]
+    copies = {"tree-only": "one copy of the SLM's weights: the tree graph also prefills (export.slm_graphs tree-only)",
+              "shared": "one copy of the SLM's weights: tree and prefill in one weight-shared context",
+              "separate": "the SLM's weights twice: tree and prefill contexts (export.slm_graphs separate)"}
+    lines = [verdict.Line("built", verdict.INFO, f"{binaries}; {copies[report['slm_graphs']]}")]
     if smoke is None:
-        why = "off (export.share_contexts: a shared context does not load on the x86 simulator)" \
-            if config.share_contexts else "off (export.smoke_prompts: 0, or no verifier given)"
+        why = "off (export.slm_graphs shared: a shared context does not load on the x86 simulator)" \
+            if config.slm_graphs == "shared" else "off (export.smoke_prompts: 0, or no verifier given)"
         lines.append(verdict.proof("smoke through the binaries", None, "", off=why))
     else:
         by = smoke["by_graph"]
@@ -377,7 +383,7 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
 
     with phase("gather inputs"):
         specs = gather_inputs(bundle, calibrate=calibrate, convert=convert, qat=qat, vocab=vocab, tokenizer=tokenizer,
-                              reference_graphs=config.reference_graphs)
+                              config=config)
     graphs = compile_graphs(bundle, calibrate, specs, config, phase)
     meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "soc_settled": settled,
             "htp_optimization_level": config.htp_optimization_level,
@@ -387,7 +393,10 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
             "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
-            "two_bit_weights": two_bit, "graphs": graphs, "files": file_table(bundle)}
+            "slm_graphs": config.slm_graphs, "separate_prefill_rows": read_io_spec(calibrate / "io_spec.json")
+            [GRAPHS["prefill"]].meta["rows"] if config.slm_graphs == "tree-only" else None,
+            "two_bit_weights": two_bit, "graphs": graphs,
+            "files": file_table(bundle)}
     meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json",
                                          config.footprint_targets, two_bit)
     meta["footprint"]["session"] = phone_session(meta["footprint"], config.max_session_bytes)

@@ -47,7 +47,7 @@ def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: P
         for p in g["parts"]:
             contexts[p["binary"]] = p["context_blob_bytes"]
     luts = {name: row["bytes"] for name, row in files.items() if name.startswith("luts/") or name == MTP_LUT}
-    slm = sum(contexts[p["binary"]] for role in ("tree", "prefill") for p in graphs[role]["parts"]
+    slm = sum(contexts[p["binary"]] for role in ("tree", "prefill") for p in graphs.get(role, {}).get("parts", [])
               if not (role == "prefill" and p["binary"] in {q["binary"] for q in graphs["tree"]["parts"]}))
     mtp = per_graph.get("mtp_step")  # None: a bundle without an MTP Drafter
     ours = {"slm": slm, "mtp_graph": mtp, "mtp_lut": luts.get(MTP_LUT),
@@ -62,7 +62,8 @@ def device_footprint(graphs: dict[str, Any], files: dict[str, Any], encodings: P
             "npu_resident_total": sum(contexts.values()), "cpu_luts": luts, "cpu_lut_total": sum(luts.values()),
             "table3": table3,
             "how": "NPU: each context binary's contextBlobSize read through libQnnSystem (a context two graphs share "
-                   "counts once in the totals); CPU: the LUT files' bytes. Table 3's SLM row is tree + prefill."}
+                   "counts once in the totals); CPU: the LUT files' bytes. Table 3's SLM row is the SLM's contexts: tree "
+                   "alone where it also prefills (export.slm_graphs tree-only), else tree + prefill."}
 
 
 def two_bit_cost(encodings: Path, shipped: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -119,7 +120,7 @@ def refuse_over_budget(session: dict[str, Any]) -> None:
     listed = ", ".join(f"{name} {mb(b)}" for name, b in session["contexts"].items())
     raise HycoError(f"the phone loads {listed} into one HTP session: {mb(session['resident_bytes'])} together, over "
                     f"export.max_session_bytes {session['budget_bytes']:,} (sessions fail to load around 3.5-4 GB); "
-                    "ways out: one copy of the SLM's weights (export.share_contexts through qai-hub's link job), "
+                    "ways out: one copy of the SLM's weights (export.slm_graphs: tree-only), "
                     "2-bit weights at 2 bits (export.two_bit_weights: int2-blocks), or smaller KV rings (convert.ring_full, convert.ring_sliding)")
 
 

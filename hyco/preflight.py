@@ -265,7 +265,7 @@ def over_limits(recipe, rows: list[Estimate], run_dir: Path) -> list[str]:
 # INT4 containers unless they ship as INT2 blocks); a graph's compiled bytes ride on its weights
 # within a few percent (E2B shapes: 1,038 MB binary for 1,031 MB of weights).
 CONTAINER_BITS = {2: 4, 4: 4, 8: 8}
-SLM_CONTEXTS = 2  # tree and prefill, each with its own copy of the weights
+SLM_COPIES = {"tree-only": 1, "separate": 2, "shared": 1}  # export.slm_graphs: copies of the SLM's weights
 HEAD_BITS = 4
 
 
@@ -284,8 +284,10 @@ def npu_session_estimate(recipe, run_dir: Path) -> tuple[int, str] | None:
                       if head is not None and "qat" in recipe.stages and not _inside(Path(head), run_dir) else 0)
     except (HycoError, OSError, ValueError, KeyError):
         return None
-    total = SLM_CONTEXTS * slm_bytes + head_bytes
-    return total, (f"{SLM_CONTEXTS} SLM contexts of ~{_mb(slm_bytes)}"
+    copies = SLM_COPIES[recipe.export.slm_graphs]
+    total = copies * slm_bytes + head_bytes
+    return total, (f"{copies} cop{'y' if copies == 1 else 'ies'} of the SLM's weights, ~{_mb(slm_bytes)} each "
+                   f"(export.slm_graphs {recipe.export.slm_graphs})"
                    + (f" + the MTP head ~{_mb(head_bytes)}" if head_bytes else "") + ", weights only")
 
 
@@ -332,7 +334,7 @@ def session_over_budget(recipe, estimate: tuple[int, str] | None) -> list[str]:
         return []
     return [f"preflight: the bundle's contexts would hold ~{_mb(estimate[0])} in the phone's one HTP session "
             f"({estimate[1]}), over export.max_session_bytes {recipe.export.max_session_bytes:,}: export would refuse "
-            "it; ways out: one copy of the SLM's weights (export.share_contexts through qai-hub's link job), 2-bit "
+            "it; ways out: one copy of the SLM's weights (export.slm_graphs: tree-only), 2-bit "
             "weights at 2 bits, or smaller KV rings"]
 
 

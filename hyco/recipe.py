@@ -275,9 +275,11 @@ class ExportConfig:
     soc_model: int = 87  # SM8850 / Hexagon v81
     htp_arch: int | None = None  # None: the SoC's own; a given value must match it (QNN falls back to v68 silently)
     device: str = "Samsung Galaxy S26 Ultra"  # qai-hub device name
-    # tree and prefill carry the same weights; one shared context saves their duplicate, but the x86
-    # simulator cannot load it, so it ships only on request and is labelled unverified in bundle.json
-    share_contexts: bool = False
+    # The SLM's graphs on the phone, whose weights are the same: tree-only (one copy: the tree graph
+    # also prefills, in causal passes of its rows), separate (tree and prefill contexts: the fastest
+    # prefill, the weights twice), or shared (one weight-shared context of both: the x86 simulator
+    # cannot load it, so no smoke run here and bundle.json marks it unverified)
+    slm_graphs: Literal["tree-only", "separate", "shared"] = "tree-only"
     max_context_bytes: int = 2 * 1024**3  # a graph with more weight bytes is split by layer ranges
     # The most one HTP session may hold: the phone loads the SLM's graphs and the MTP step into one
     # process, whose contexts share one session, and sessions fail to load around 3.5-4 GB. A bundle

@@ -132,6 +132,7 @@ def measure_costs(all_logs: dict[str, list[DecodeLog]], configs: list[DecodeConf
     from hyco.runtime_check.costs import costs_inputs, setting_of, tables
 
     from hyco.io_spec import GRAPHS, read_io_spec
+    from hyco.loading import read_json
     from hyco.runtime.phone_timing import phone_times
     from hyco.runtime.server_timing import Grid, server_times
     from hyco.runtime.timing import network
@@ -143,11 +144,16 @@ def measure_costs(all_logs: dict[str, list[DecodeLog]], configs: list[DecodeConf
     grid = Grid(rows=rows, contexts=tuple(t.sweep_contexts), prefill=tuple(t.sweep_prefill), repeats=t.sweep_repeats,
                 cuda_graphs=t.cuda_graphs)
     server = server_times(verifier_model, head, grid, vocab=vocab, model_dirs=model_dirs, dtype=dtype)
-    rows = 1
+    rows, prefill_graph, separate_rows = 1, "prefill", None
     if bundle_dir is not None and (Path(bundle_dir) / "io_spec.json").is_file():
-        rows = read_io_spec(Path(bundle_dir) / "io_spec.json")[GRAPHS["prefill"]].meta["rows"]
+        specs = read_io_spec(Path(bundle_dir) / "io_spec.json")
+        # a tree-only bundle (one copy of the SLM's weights) prefills through its tree graph
+        prefill_graph = "prefill" if GRAPHS["prefill"] in specs else "tree"
+        rows = specs[GRAPHS[prefill_graph]].meta["rows"]
+        separate_rows = read_json(Path(bundle_dir) / "bundle.json", "bundle.json").get("separate_prefill_rows")
     phone_figures = phone_times(bundle_dir, profile=t.phone_profile, hub_json=t.hub_report,
-                                bandwidth_gbs=t.phone_bandwidth_gbs, prefill_rows=rows)
+                                bandwidth_gbs=t.phone_bandwidth_gbs, prefill_rows=rows, prefill_graph=prefill_graph,
+                                separate_prefill_rows=separate_rows)
     link = network(t.network, t.rtt_ms, t.up_mbps, t.down_mbps)
     inputs = costs_inputs(all_logs, configs, server, phone_figures, link, t.network, phone.max_prompt)
     return inputs, tables(inputs, setting_of(inputs))

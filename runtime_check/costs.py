@@ -68,7 +68,9 @@ def costs_inputs(all_logs: dict[str, list[DecodeLog]], configs: list[DecodeConfi
     return {"configs": {c.name: {"label": c.label, "rule": rule(c), "alone": c.alone,
                                  "requests": requests_of(all_logs[c.name], c)} for c in configs},
             "server": server.to_json(), "phone": {"ms": phone.ms, "host_ms": phone.host_ms, "sources": phone.sources,
-                                                  "prefill_rows": phone.prefill_rows},
+                                                  "prefill_rows": phone.prefill_rows,
+                                                  "prefill_graph": phone.prefill_graph,
+                                                  "separate_prefill_rows": phone.separate_prefill_rows},
             "network": {"name": network_name, "rtt_ms": link.rtt_ms, "up_mbps": link.up_mbps,
                         "down_mbps": link.down_mbps, "note": NETWORK_NOTE},
             "max_prompt": max_prompt}
@@ -109,7 +111,8 @@ def setting_of(inputs: dict[str, Any]) -> Setting:
     phone = inputs["phone"]
     net = inputs["network"]
     return Setting(ServerTimes.from_json(inputs["server"]),
-                   PhoneTimes(dict(phone["ms"]), phone["host_ms"], dict(phone["sources"]), phone["prefill_rows"]),
+                   PhoneTimes(dict(phone["ms"]), phone["host_ms"], dict(phone["sources"]), phone["prefill_rows"],
+                              phone.get("prefill_graph", "prefill"), phone.get("separate_prefill_rows")),
                    Link(net["rtt_ms"], net["up_mbps"], net["down_mbps"]), dict(net), inputs["max_prompt"])
 
 
@@ -137,8 +140,10 @@ def tables(inputs: dict[str, Any], setting: Setting) -> dict[str, Any]:
         if row.get("g_ms") is not None:
             row["delta_g_percent"] = delta_g(row["g_ms"], reference) if reference else None
         row["delivery_vs_slm_alone"] = row["tok_s"] / alone if alone and row.get("tok_s") is not None else None
+    prompts = [q["prompt_tokens"] for c in inputs["configs"].values() for q in c["requests"]]
+    prefill = setting.phone.prefill_comparison(sum(prompts) / len(prompts), setting.max_prompt) if prompts else None
     return {"rows": rows, "reference": reference_of(rows), "sources": setting.sources(),
-            "server_on_cpu": setting.server.source == CPU_LABEL}
+            "server_on_cpu": setting.server.source == CPU_LABEL, "slm_prefill": prefill}
 
 
 def reference_of(rows: dict[str, Any]) -> str:
@@ -169,10 +174,25 @@ def markdown(result: dict[str, Any]) -> list[str]:
     md += [f"| {n} | {_fmt(r.get('g_ms'))} | {_fmt(r.get('tok_s'), 1)} | {_fmt(r.get('draft_ms_per_token'))} | "
            f"{_fmt(r.get('tokens_per_gpu_s'), 1)} | {_fmt(r.get('gpu_h_per_1m_tokens'))} | {_fmt(r.get('ttft_ms'), 0)} |"
            for n, r in rows.items()]
+    md += prefill_markdown(result.get("slm_prefill"))
     md += ["", "Sources:", ""] + [f"- {k}: {v}" for k, v in result["sources"].items()]
     md += ["", "Figure 1 (figure1.png): server GPU time relative to Cloud+MTP against delivery rate relative to "
            "the SLM alone. Cloud+MTP's tok/s assumes its tokens streamed to the phone (the paper did not).", ""]
     return md
+
+
+def prefill_markdown(p: dict[str, Any] | None) -> list[str]:
+    """What one copy of the SLM's weights costs: the phone's prefill through the tree graph beside
+    the separate prefill graph's. The phone prefills while the server answers the first reply, so
+    it delays the first draft only where it outlasts TTFT (tok/s above counts that)."""
+    if p is None:
+        return []
+    separate = "no prefill pass time in the profile or hub report" if p["separate_ms"] is None else \
+        f"{p['separate_ms']:,.0f} ms ({p['separate_source']})"
+    return ["", f"SLM prefill on the phone, the mean prompt of {p['prompt_tokens']} tokens: this bundle (one copy of "
+            f"the SLM's weights, export.slm_graphs tree-only) {p['tree_only_passes']} passes of the tree graph, "
+            f"{p['tree_only_ms']:,.0f} ms; a bundle with a separate prefill graph (the weights twice) "
+            f"{p['separate_passes']} passes, {separate}."]
 
 
 MARKERS = "osD^vPX*h<>p"

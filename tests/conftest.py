@@ -232,7 +232,8 @@ def tiny_export(ladder):
 @pytest.fixture(scope="session")
 def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
     """vocab, convert (parity off), qat (2 steps), calibrate (WITH the HTP check: acceptance and
-    simulator vs CPU on 1 pass per graph) and export (soc 87, no smoke) on the DISTILLED tiny
+    simulator vs CPU on 1 pass per graph) and export (soc 87, no smoke, tree and prefill graphs
+    separate; the main job ships and smokes the tree-only bundle) on the DISTILLED tiny
     family, CI-sized: (run folder, bundle folder). The smoke and simulator-agreement tests use it:
     its drafters are peaked like trained ones, where the undistilled family's near-flat rows make
     near-ties of most top-k entries."""
@@ -245,5 +246,5 @@ def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
     out = run_dir / "export"
     export(calibrate=run_dir / "calibrate", convert=run_dir / "convert", qat=run_dir / "qat", vocab=run_dir / "vocab",
            out=out, tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],
-           config=ExportConfig(smoke_prompts=0))
+           config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))  # the prefill graph's faults stay testable
     return run_dir, out / "bundle"

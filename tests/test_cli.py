@@ -61,7 +61,7 @@ def test_every_stage_subcommand_takes_its_recipe_section_through_set():
                             prompts=7)
     assert (config.prompts, config.fidelity_seeds, config.sqnr_passes) == (7, 1, 2)
     assert config.eval_prompts == CalibrateConfig().eval_prompts
-    assert section_config(ExportConfig(), "export", ["export.share_contexts=true"]).share_contexts is True
+    assert section_config(ExportConfig(), "export", ["export.slm_graphs=shared"]).slm_graphs == "shared"
     for bad, message in (("qat.steps=3", "takes calibrate.KEY=VALUE"), ("calibrate.no_such_key=1", "unknown key"),
                          ("calibrate.prompts=many", "must be an integer")):
         with pytest.raises(HycoError, match=message):
@@ -158,8 +158,8 @@ def test_flags_documented_before_the_generated_cli_still_work(tmp_path):
     _, c = _configs(["qat", *sum(([f"--{k}", k] for k in ("verifier", "assistant", "tokenizer", "vocab", "answers")), []),
                      "--out", "o", "--bf16-autocast", "--lr", "2e-5", "--capture-point", "before_norm"])
     assert (c["qat"].bf16_autocast, c["qat"].lr, c["qat"].capture_point) == (True, 2e-5, "before_norm")
-    _, c = _configs(["export", "--calibrate", "c", "--out", "o", "--share-contexts", "--htp-arch", "none"])
-    assert (c["export"].share_contexts, c["export"].htp_arch) == (True, None)
+    _, c = _configs(["export", "--calibrate", "c", "--out", "o", "--slm-graphs", "separate", "--htp-arch", "none"])
+    assert (c["export"].slm_graphs, c["export"].htp_arch) == ("separate", None)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -123,8 +123,10 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
     settled = meta["soc_settled"]  # asked of the installed QNN libraries at export, not copied from a table
     assert (settled["chip"], settled["soc_model"], settled["htp_arch"]) == ("SM8850", 87, 81)
     assert "libonnxruntime_providers_qnn.so" in settled["how"] and "libQnnSystem.so" in settled["how"]
-    assert set(meta["graphs"]) == {"tree", "prefill", "mtp_step"}
+    # one copy of the SLM's weights (export.slm_graphs tree-only): the tree graph prefills too
+    assert set(meta["graphs"]) == {"tree", "mtp_step"} and meta["slm_graphs"] == "tree-only"
     specs = read_io_spec(bundle / "io_spec.json")
+    assert set(specs) == {"tree.qdq.onnx", "mtp_step.qdq.onnx"} and meta["separate_prefill_rows"] == 16
     for role, g in meta["graphs"].items():
         (part,) = g["parts"]  # under the 2 GiB default nothing is split
         info = binary_info(bundle / part["binary"])  # read independently of what export recorded
@@ -154,7 +156,7 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
     assert all(0 < b < (bundle / name).stat().st_size for name, b in blobs.items())
     table3 = {r["item"]: r for r in footprint["table3"]}
     assert table3["SLM NPU graph"]["paper_bytes"] == 754_000_000
-    assert table3["SLM NPU graph"]["bundle_bytes"] == blobs["tree_ctx_qnn.bin"] + blobs["prefill_ctx_qnn.bin"]
+    assert table3["SLM NPU graph"]["bundle_bytes"] == blobs["tree_ctx_qnn.bin"]
     two = footprint["two_bit_weights"]  # the published map's 2-bit weights, as they ship and why
     assert two["weights_at_2_bits"] > 0 and two["bytes_in_int4_containers"] == 2 * two["bytes_at_2_bits"] > 0
     assert (two["encoding"], two["why"]) == (meta["two_bit_weights"]["encoding"], meta["two_bit_weights"]["why"])
@@ -365,7 +367,7 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     out = tmp_path / "export"
     export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert", qat=tiny_calibrated / "qat",
            vocab=tiny_calibrated / "vocab", out=out, tokenizer=tiny_family["tokenizer"],
-           verifier=tiny_family["verifier"], config=ExportConfig(smoke_prompts=0, share_contexts=True))
+           verifier=tiny_family["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="shared"))
     meta = verify_bundle(out / "bundle")
     tree, prefill = meta["graphs"]["tree"], meta["graphs"]["prefill"]
     assert tree["parts"][0]["binary"] == prefill["parts"][0]["binary"]
@@ -381,7 +383,14 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
     # against the ladder's two separate contexts: sharing saves one copy of the weights (graph
     # metadata differs a little between the two layouts, hence 0.9)
-    separate = verify_bundle(tiny_calibrated / "export" / "bundle")["graphs"]
+    export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert", qat=tiny_calibrated / "qat",
+           vocab=tiny_calibrated / "vocab", out=tmp_path / "separate", tokenizer=tiny_family["tokenizer"],
+           verifier=tiny_family["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))
+    meta = verify_bundle(tmp_path / "separate" / "bundle")
+    separate, blobs = meta["graphs"], meta["footprint"]["resident_per_context"]
+    assert set(separate) == {"tree", "prefill", "mtp_step"} and meta["separate_prefill_rows"] is None
+    slm_row = next(r for r in meta["footprint"]["table3"] if r["item"] == "SLM NPU graph")
+    assert slm_row["bundle_bytes"] == blobs["tree_ctx_qnn.bin"] + blobs["prefill_ctx_qnn.bin"]  # the weights twice
     saved = sum(separate[r]["parts"][0]["binary_bytes"] for r in ("tree", "prefill")) - shared_bytes
     assert saved >= 0.9 * tree["weight_bytes"], (saved, tree["weight_bytes"])
     done = _smoke_cli(out / "bundle", tiny_family["verifier"])
@@ -474,7 +483,7 @@ def test_preflight_estimates_the_session_from_the_checkpoints_below_what_ships(t
     estimate, what = npu_session_estimate(recipe, tmp_path / "run")
     shipped = json.loads((tiny_calibrated / "export" / "bundle" / "bundle.json").read_text())["footprint"]["session"]
     assert 0 < estimate < shipped["resident_bytes"], (estimate, shipped)
-    assert "2 SLM contexts" in what and "MTP head" in what
+    assert "1 copy of the SLM's weights" in what and "MTP head" in what  # export.slm_graphs tree-only
     assert session_over_budget(recipe, (estimate, what)) == []
     low = load_recipe(RECIPE, [*LADDER, f"export.max_session_bytes={estimate - 1}", f"export.max_context_bytes={estimate - 1}"])
     refused = session_over_budget(low, (estimate, what))

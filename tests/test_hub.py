@@ -131,9 +131,12 @@ def make_calibrate(folder: Path, recording: str) -> Path:
 
 
 def _export_hub(tmp_path, *extra):
-    """`export --hub` as a user types it: calibrate's folder is all it reads."""
+    """`export --hub` as a user types it: calibrate's folder is all it reads. The recordings hold
+    the tree, prefill and MTP graphs' jobs: separate SLM graphs unless `extra` says otherwise."""
     from hyco.cli import main
 
+    if "--slm-graphs" not in extra:
+        extra = ("--slm-graphs", "separate", *extra)
     return main(["export", "--hub", "--calibrate", str(tmp_path / "calibrate"), "--out", str(tmp_path / "hub"), *extra])
 
 
@@ -141,7 +144,8 @@ def test_compile_requests_carry_device_options_and_input_specs(tmp_path):
     from hyco.export.hub import OPTIONS, compile_requests
 
     make_calibrate(tmp_path, "compile_profile.yaml")
-    requests = compile_requests(tmp_path, ExportConfig(device="Samsung Galaxy S26 Ultra"))
+    assert [r["role"] for r in compile_requests(tmp_path, ExportConfig())] == ["tree", "mtp_step"]  # tree-only
+    requests = compile_requests(tmp_path, ExportConfig(device="Samsung Galaxy S26 Ultra", slm_graphs="separate"))
     assert [r["role"] for r in requests] == ["tree", "prefill", "mtp_step"]
     assert all(isinstance(r["device"], hub.Device) and r["device"].name == "Samsung Galaxy S26 Ultra" for r in requests)
     assert requests[0]["input_specs"] == {"embeds": ((5, 8), "float32"), "mask": ((5, 5), "uint16")}
@@ -149,7 +153,7 @@ def test_compile_requests_carry_device_options_and_input_specs(tmp_path):
     assert OPTIONS.split() == ["--target_runtime", "qnn_context_binary", "--compute_unit", "npu"]
     (tmp_path / "prefill.qdq.onnx").unlink()
     with pytest.raises(HycoError, match="no prefill.qdq.onnx"):
-        compile_requests(tmp_path, ExportConfig())
+        compile_requests(tmp_path, ExportConfig(slm_graphs="separate"))
 
 
 def test_hub_export_compiles_profiles_and_reports_through_the_real_client(tmp_path, replay, capsys, monkeypatch):
@@ -187,7 +191,7 @@ def test_hub_export_compiles_profiles_and_reports_through_the_real_client(tmp_pa
 
 def test_shared_contexts_link_tree_and_prefill_into_one_binary_and_profile_each_graph(tmp_path, replay, capsys,
                                                                                        monkeypatch):
-    """export.share_contexts: tree and prefill compile to DLCs named by role, one link job joins them
+    """export.slm_graphs shared: tree and prefill compile to DLCs named by role, one link job joins them
     into one context binary (one copy of their weights, on the hub's side), and each graph is
     profiled from it by name; mtp_step compiles alone as before."""
     system_tmp = tmp_path / "system-tmp"
@@ -195,7 +199,7 @@ def test_shared_contexts_link_tree_and_prefill_into_one_binary_and_profile_each_
     monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
     session = replay("link_profile.yaml")
     make_calibrate(tmp_path / "calibrate", "link_profile.yaml")
-    assert _export_hub(tmp_path, "--share-contexts") == 0
+    assert _export_hub(tmp_path, "--slm-graphs", "shared") == 0
     session.assert_done()
     assert "3 qai-hub jobs" in capsys.readouterr().out
     out = tmp_path / "hub"
@@ -220,7 +224,7 @@ def test_shared_contexts_link_tree_and_prefill_into_one_binary_and_profile_each_
 def test_a_failed_link_job_is_one_line_exit_2_and_nothing_is_written(tmp_path, replay, capsys):
     session = replay("link_failed.yaml")
     make_calibrate(tmp_path / "calibrate", "link_failed.yaml")
-    assert _export_hub(tmp_path, "--share-contexts") == 2
+    assert _export_hub(tmp_path, "--slm-graphs", "shared") == 2
     session.assert_done()  # no download of a linked binary: it is not in the recording
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -231,7 +235,7 @@ def test_a_failed_link_job_is_one_line_exit_2_and_nothing_is_written(tmp_path, r
 def test_shared_contexts_need_a_device_that_shares_weights(tmp_path, replay, capsys):
     session = replay("no_weight_sharing.yaml")
     make_calibrate(tmp_path / "calibrate", "compile_profile.yaml")
-    assert _export_hub(tmp_path, "--share-contexts") == 2
+    assert _export_hub(tmp_path, "--slm-graphs", "shared") == 2
     session.assert_done()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not advertise htp-supports-weight-sharing:true" in err[0]
@@ -267,9 +271,9 @@ def test_the_replay_refuses_a_request_that_differs_from_the_recording(tmp_path, 
 
     session = replay("compile_profile.yaml")
     calibrate = make_calibrate(tmp_path / "calibrate", "compile_profile.yaml")
-    config = ExportConfig()
+    config = ExportConfig(slm_graphs="separate")
     if change == "device":
-        config = ExportConfig(device="Samsung Galaxy S25 Ultra")
+        config = ExportConfig(device="Samsung Galaxy S25 Ultra", slm_graphs="separate")
     elif change == "options":
         monkeypatch.setattr(hub_module, "OPTIONS", "--target_runtime onnx --compute_unit npu")
     else:

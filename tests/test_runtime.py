@@ -762,6 +762,44 @@ def test_slm_graph_rewound_equals_a_fresh_context(slm_graphs, keep, prompt):
     np.testing.assert_allclose(got[1], expected[1], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("length", [20, 70, 100], ids=["under-one-pass", "past-the-window", "three-passes-past-it"])
+def test_tree_only_prefill_equals_the_chunked_prefill(slm_graphs, keep, length):
+    """A tree-only SLM (no prefill graph on the phone) prefills in causal chains of the tree's 33
+    rows: its K/V rings and the prompt's last row's logits equal the 16-row prefill graph's, on
+    prompts under one pass, not a multiple of 33, and across the 64-slot sliding window. Same
+    weights and math at other row counts: the tolerance is float32 rounding of a different
+    summation order (1e-5 on rings of magnitude ~1-10; observed ~1e-6)."""
+    import numpy as np
+
+    from hyco.runtime.slm_onnx import SlmOnnx
+
+    class Recorded(SlmOnnx):
+        def _run(self, graph, tokens, parents):
+            self.last = super()._run(graph, tokens, parents), len(tokens)
+            return self.last[0]
+
+    prompt = [int(t) for t in keep[np.arange(length) * 7 % len(keep)]]
+    chunked = Recorded(slm_graphs, keep_ids=keep, max_prompt=128)
+    tree_only = Recorded(slm_graphs, keep_ids=keep, max_prompt=128, graphs=("tree.onnx", None))
+    assert chunked.prefill_graph == "prefill" and tree_only.prefill_graph == "tree" and "prefill" not in tree_only.specs
+    passes = []
+    for slm in (chunked, tree_only):
+        calls = []
+        run = slm.run
+        slm.run = lambda graph, feeds, names=None, calls=calls, run=run: calls.append(graph) or run(graph, feeds, names)
+        slm.start(prompt)
+        passes.append(calls)
+    assert passes == [["prefill"] * -(-length // 16), ["tree"] * -(-length // 33)]
+    assert chunked.cached == tree_only.cached == length
+    for layer in chunked.ring.k:
+        np.testing.assert_allclose(tree_only.ring.k[layer], chunked.ring.k[layer], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(tree_only.ring.v[layer], chunked.ring.v[layer], atol=1e-5, rtol=0)
+    (a, rows_a), (b, rows_b) = chunked.last, tree_only.last
+    np.testing.assert_allclose(b["logits"][rows_b - 1], a["logits"][rows_a - 1], atol=1e-4, rtol=0)
+    for kind, slots in chunked.ring.slot_positions.items():
+        assert np.array_equal(tree_only.ring.slot_positions[kind], slots), kind
+
+
 # --- greedy losslessness where drafts are accepted: the distilled family -------------------------
 #
 # On the undistilled family no draft is ever accepted, so "exact greedy decoding equals the

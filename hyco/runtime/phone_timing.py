@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hyco.errors import HycoError
 from hyco.loading import read_json
@@ -43,10 +44,31 @@ class PhoneTimes:
     host_ms: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     prefill_rows: int = 1  # tokens a prefill pass takes
+    # the graph that prefills: "prefill", or "tree" where the bundle ships one copy of the SLM's
+    # weights (export.slm_graphs tree-only) and the tree graph prefills in passes of its rows
+    prefill_graph: str = "prefill"
+    separate_prefill_rows: int | None = None  # tree-only: the prefill graph's rows it would have had
 
     def slm_prefill_ms(self, prompt_tokens: int, max_prompt: int) -> float:
-        """The phone's SLM prefill: its last `max_prompt` tokens in chunks of the prefill graph."""
-        return math.ceil(min(prompt_tokens, max_prompt) / self.prefill_rows) * self.ms.get("prefill", 0.0)
+        """The phone's SLM prefill: its last `max_prompt` tokens in passes of the prefilling graph."""
+        return self.prefill_passes(prompt_tokens, max_prompt) * self.ms.get(self.prefill_graph, 0.0)
+
+    def prefill_passes(self, prompt_tokens: int, max_prompt: int, rows: int | None = None) -> int:
+        return math.ceil(min(prompt_tokens, max_prompt) / (rows or self.prefill_rows))
+
+    def prefill_comparison(self, prompt_tokens: float, max_prompt: int) -> dict[str, Any] | None:
+        """What one copy of the SLM's weights costs in prefill, for a prompt of `prompt_tokens`:
+        the tree graph's passes against the separate prefill graph's (its pass time from the
+        profile or hub report; None where neither has one)."""
+        if self.prefill_graph != "tree" or not self.separate_prefill_rows:
+            return None
+        tokens = round(prompt_tokens)
+        separate = self.ms.get("prefill")
+        passes = self.prefill_passes(tokens, max_prompt, self.separate_prefill_rows)
+        return {"prompt_tokens": tokens, "tree_only_passes": self.prefill_passes(tokens, max_prompt),
+                "tree_only_ms": self.slm_prefill_ms(tokens, max_prompt), "separate_passes": passes,
+                "separate_ms": None if separate is None else passes * separate,
+                "separate_source": self.sources.get("prefill")}
 
 
 def read_profile(path: Path | str) -> dict:
@@ -86,7 +108,7 @@ def hub_times(hub_json: Path) -> dict[str, tuple[float, str]]:
 
 
 def phone_times(bundle: Path | None, *, profile: Path | None, hub_json: Path | None, bandwidth_gbs: float,
-                prefill_rows: int) -> PhoneTimes:
+                prefill_rows: int, prefill_graph: str = "prefill", separate_prefill_rows: int | None = None) -> PhoneTimes:
     found: dict[str, tuple[float, str]] = {}
     host, host_source = 0.0, "not measured: 0"
     if profile is not None:
@@ -101,11 +123,14 @@ def phone_times(bundle: Path | None, *, profile: Path | None, hub_json: Path | N
     if bundle is not None and (Path(bundle) / "bundle.json").is_file():
         meta = read_json(Path(bundle) / "bundle.json", "bundle.json")
         for g in GRAPHS:
-            weight_bytes = meta["graphs"].get(g, {}).get("weight_bytes")
+            # a tree-only bundle has no prefill graph; the one it would have had holds the tree's weights
+            held = "tree" if g == "prefill" and prefill_graph == "tree" else g
+            weight_bytes = meta["graphs"].get(held, {}).get("weight_bytes")
             if weight_bytes:
                 found.setdefault(g, (weight_bytes / (bandwidth_gbs * 1e6),
                                      f"weight-bandwidth floor: {weight_bytes:,} B at {bandwidth_gbs:g} GB/s (a floor, "
                                      "not a measurement)"))
     missing = [g for g in GRAPHS if g not in found]
     sources = {g: s for g, (_, s) in found.items()} | {g: "none: no profile, hub report or bundle" for g in missing}
-    return PhoneTimes({g: ms for g, (ms, _) in found.items()}, host, {**sources, "host": host_source}, prefill_rows)
+    return PhoneTimes({g: ms for g, (ms, _) in found.items()}, host, {**sources, "host": host_source}, prefill_rows,
+                      prefill_graph, separate_prefill_rows)

@@ -5,6 +5,10 @@ hyco/host.py's numpy pieces (LUT lookup, rotary tables, KV ring, masks), as on t
 `prefill.onnx` takes the prompt's last `max_prompt` tokens in fixed-size chunks, `tree.onnx`
 takes the committed backlog plus the tree in its fixed rows (padding rows inactive), and only
 the backlog's rotated K/V rows are written to the ring afterwards.
+
+A tree-only SLM (no prefill graph: one copy of the weights on the phone) prefills through the
+tree graph: the prompt in causal chains of the tree's rows, each writing its K/V rows, as a long
+backlog already does. The cost is more passes (ceil(L / tree rows) instead of ceil(L / chunk)).
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ from hyco.runtime.tree import DraftTree
 class SlmOnnx(SlmHost):
     def __init__(self, convert_dir: Path, *, keep_ids: torch.Tensor | None, max_prompt: int, ring_full: int | None = None,
                  graphs: tuple[str, str] = ("tree.onnx", "prefill.onnx"), open_session=None):
-        """`graphs`: the tree and prefill graphs' io_spec keys; `open_session(key)` returns an
-        object with onnxruntime's `run(names, feeds)` (default: onnxruntime CPU on that file;
-        hyco/runtime/qnn_backend.py passes the QNN HTP context binaries of an export bundle)."""
+        """`graphs`: the tree and prefill graphs' io_spec keys (a prefill key io_spec does not
+        list: a tree-only SLM); `open_session(key)` returns an object with onnxruntime's
+        `run(names, feeds)` (default: onnxruntime CPU on that file; hyco/runtime/qnn_backend.py
+        passes the QNN HTP context binaries of an export bundle)."""
         convert_dir = Path(convert_dir)
         specs = read_io_spec(convert_dir / "io_spec.json")
-        for name in graphs:
+        for name in (graphs[0], *(g for g in graphs[1:] if g in specs)):  # no prefill in io_spec: tree-only
             if name not in specs or (open_session is None and not (convert_dir / name).is_file()):
                 raise HycoError(f"{convert_dir}: no {name} (run the convert stage first)")
-        tree_spec, prefill_spec = specs[graphs[0]], specs[graphs[1]]
+        tree_spec = specs[graphs[0]]
         meta = tree_spec.meta
         if keep_ids is None and meta.get("keep_set"):
             raise HycoError(f"{convert_dir}/io_spec.json: tree.onnx predicts over the keep set {meta['keep_set']}; "
@@ -46,9 +51,11 @@ class SlmOnnx(SlmHost):
                             f"but the check expects convert.ring_full {ring_full}")
         self.keep_ids = keep_ids.numpy() if keep_ids is not None else None
         open_session = open_session or (lambda name: ort_session(convert_dir / name))
-        super().__init__({"tree": tree_spec, "prefill": prefill_spec},
-                         {"tree": open_session(graphs[0]), "prefill": open_session(graphs[1])},
+        keys = {"tree": graphs[0]} | ({"prefill": graphs[1]} if graphs[1] in specs else {})
+        super().__init__({role: specs[key] for role, key in keys.items()},
+                         {role: open_session(key) for role, key in keys.items()},
                          convert_dir / "luts", Rope.from_json(convert_dir / "rope.json"))
+        self.prefill_graph = "prefill" if "prefill" in keys else "tree"
         self.max_prompt = min(max_prompt, int(meta.get("max_prompt", max_prompt)))
         self.committed = 0
         self.backlog: list[int] = []
@@ -59,7 +66,7 @@ class SlmOnnx(SlmHost):
 
     @property
     def prefill_spec(self):
-        return self.specs["prefill"]
+        return self.specs[self.prefill_graph]
 
     def _run(self, graph: str, tokens: list[int], parents: list[int]) -> dict[str, np.ndarray]:
         rows = self.specs[graph].meta["rows"]
@@ -85,7 +92,7 @@ class SlmOnnx(SlmHost):
         chunk = self.prefill_spec.meta["rows"]
         for start in range(0, len(kept), chunk):
             piece = kept[start:start + chunk]
-            out = self._run("prefill", piece, [-1] + list(range(len(piece) - 1)))
+            out = self._run(self.prefill_graph, piece, [-1] + list(range(len(piece) - 1)))
             self._write(out, len(piece))
 
     def commit(self, tokens: list[int]) -> None:

@@ -23,7 +23,7 @@ S3 = "https://s3.replay.invalid"
 CLIENT = {"api_url": API, "web_url": "https://workbench.replay.invalid", "api_token": "replay-token-0123"}
 DEVICE = "Samsung Galaxy S26 Ultra"
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
-# export.share_contexts: tree and prefill compile to DLCs (their graph named by role in the linked
+# export.slm_graphs shared: tree and prefill compile to DLCs (their graph named by role in the linked
 # context, as qai_hub_models names an LLM's graphs) and one link job joins them
 DLC_OPTIONS = {role: f"--target_runtime qnn_dlc --compute_unit npu --qnn_options context_enable_graphs={role}"
                for role in ("tree", "prefill")}
