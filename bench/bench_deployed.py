@@ -93,13 +93,15 @@ def time_graph(path: Path, spec, *, executor: str, passes: int, shared: dict) ->
 
 
 def project(ms: dict[str, float], prefill_rows: int, max_prompt: int, prompt_tokens: int) -> dict[str, dict]:
-    """Hours of an SB-480 check's drafter passes per configuration, from per-pass milliseconds."""
+    """Hours of an SB-480 check's drafter passes per configuration, from per-pass milliseconds
+    (`ms` without "prefill": a tree-only SLM, whose tree graph prefills in passes of its rows)."""
     prefill_chunks = math.ceil(min(prompt_tokens, max_prompt) / prefill_rows)
+    prefill_pass = ms.get("prefill", ms["tree"])
     out = {}
     for name, (slm, mtp, mat) in CONFIGS.items():
         rounds = PROMPTS * CAP / mat
         per_round_ms = slm * ms["tree"] + mtp * ms["mtp_step"]
-        prefill_ms = PROMPTS * prefill_chunks * ms["prefill"] if slm else 0.0
+        prefill_ms = PROMPTS * prefill_chunks * prefill_pass if slm else 0.0
         out[name] = {"rounds": round(rounds), "per_round_ms": round(per_round_ms, 1),
                      "hours": round((rounds * per_round_ms + prefill_ms) / 3.6e6, 2)}
     return out
@@ -119,20 +121,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON report (default: print only)")
     args = parser.parse_args()
     specs = read_io_spec(args.calibrate / "io_spec.json")
+    graphs = {g: n for g, n in GRAPHS.items() if n in specs}  # no prefill graph: calibrated tree-only
     rows, timings = {}, {}
     executors = args.executors.split(",")
     for executor in executors:
         shared: dict = {}  # the torch executor's tree and prefill share their folded weights
-        for graph, name in GRAPHS.items():
+        for graph, name in graphs.items():
             t = time_graph(args.calibrate / name, specs[name], executor=executor, passes=args.passes, shared=shared)
             timings[f"{graph}@{executor}"] = t
             ops = f", {t['aten_ops']:,} ATen ops a pass" if "aten_ops" in t else ""
             print(f"{graph:9s} {executor:16s}: median {t['median_ms']:9.1f} ms (min {t['min_ms']:.1f}), "
                   f"open {t['load_s']:.1f} s{ops}", flush=True)
         del shared
-    prefill_rows = specs[GRAPHS["prefill"]].meta["rows"]
+    prefill_rows = specs[graphs.get("prefill", GRAPHS["tree"])].meta["rows"]
     for executor in executors:
-        ms = {g: timings[f"{g}@{executor}"]["median_ms"] for g in GRAPHS}
+        ms = {g: timings[f"{g}@{executor}"]["median_ms"] for g in graphs}
         rows[executor] = project(ms, prefill_rows, args.max_prompt, args.prompt_tokens)
     print(f"\nSB-480 ({PROMPTS} prompts x at most {CAP} tokens; paper MATs), drafter-pass hours on this machine (the verifier not included):")
     for tag, table in rows.items():

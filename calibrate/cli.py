@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from hyco.cli import NOT_GIVEN, stage_command
-from hyco.recipe import TWO_BIT_WEIGHTS, CalibrateConfig, ExportConfig, field_help, to_dict
+from hyco.recipe import SLM_GRAPHS, TWO_BIT_WEIGHTS, CalibrateConfig, ExportConfig, field_help, to_dict
 
 # the export keys the deployable graphs follow (how the 2-bit weights ship): flags here too
-EXPORT_FLAGS = {"two_bit_weights": {"choices": TWO_BIT_WEIGHTS}, "int2_block_size": {"type": int}}
+EXPORT_FLAGS = {"two_bit_weights": {"choices": TWO_BIT_WEIGHTS}, "int2_block_size": {"type": int},
+                "slm_graphs": {"choices": SLM_GRAPHS}}
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -44,14 +45,17 @@ def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateCo
     allow = args.allow_parity_failure
     export = section_config(ExportConfig(), "export", [], **{k: getattr(args, k) for k in EXPORT_FLAGS if hasattr(args, k)})
     two_bit = export_keys(export)
-    manifest = run_stage("calibrate", out, {"calibrate": to_dict(calibrate), "two_bit_weights": two_bit}, inputs,
+    manifest = run_stage("calibrate", out, {"calibrate": to_dict(calibrate), "two_bit_weights": two_bit,
+                                            "slm_graphs": export.slm_graphs}, inputs,
                          lambda tmp: build(**{"qat": None, **inputs}, out=tmp, config=calibrate,
-                                           two_bit_weights=two_bit, allow_parity_failure=allow),
+                                           two_bit_weights=two_bit, slm_graphs=export.slm_graphs,
+                                           allow_parity_failure=allow),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     warn_if_proof_failed(manifest)
     figures = ", ".join(f"{g}: top-1 {v['top1']}, cpu_nodes {v['cpu_nodes']}" for g, v in s.items() if isinstance(v, dict))
-    graphs = "tree.qdq.onnx, prefill.qdq.onnx" + (", mtp_step.qdq.onnx" if "qat" in inputs else "")
+    graphs = "tree.qdq.onnx" + (", prefill.qdq.onnx" if export.slm_graphs != "tree-only" else "") \
+        + (", mtp_step.qdq.onnx" if "qat" in inputs else "")
     print(f"wrote {out}: {graphs}, io_spec.json, encodings.json ({stage_state(manifest)}); {figures}")
     qat = f" --qat {inputs['qat']}" if "qat" in inputs else ""
     print(f"next: hyco-convert export --calibrate {out} --convert {inputs['convert']}{qat} --out DIR")

@@ -101,10 +101,11 @@ class Recorder:
 
 def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None = None,
                mask_negative: float | None = None, output_prefixes: tuple[str, ...] | None = None,
-               spill: Path | None = None):
-    """SlmOnnx on `convert_dir`'s host files, with `sessions` ({"tree", "prefill"} -> session;
-    default: convert's float graphs) wrapped in Recorders (keeping the outputs named
-    `output_prefixes*`, default all; on disk under `spill`/<graph> when given)."""
+               spill: Path | None = None, graphs: tuple[str, ...] = ("tree", "prefill")):
+    """SlmOnnx on `convert_dir`'s host files, with `sessions` (role -> session; default:
+    convert's float graphs) wrapped in Recorders (keeping the outputs named `output_prefixes*`,
+    default all; on disk under `spill`/<graph> when given). `graphs` ("tree" alone: the phone's
+    tree-only SLM) are the graphs the phone runs: without prefill, the tree graph prefills."""
     import torch
 
     from hyco.runtime.slm_onnx import SlmOnnx
@@ -112,13 +113,14 @@ def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None =
     # Given sessions, SlmOnnx opens none of its own: it used to open (and drop) both of convert's
     # graphs with the arena on, slow and a GB-sized transient per fidelity driver at E2B size.
     open_session = (lambda name: None) if sessions else (lambda name: cpu_session(Path(convert_dir) / name))
-    slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9, open_session=open_session)
+    slm = SlmOnnx(convert_dir, keep_ids=torch.as_tensor(keep_ids), max_prompt=10**9, open_session=open_session,
+                  graphs=("tree.onnx", "prefill.onnx" if "prefill" in graphs else None))
     sessions = sessions or dict(slm.sessions)
     def store(graph: str):
         return SpilledPasses(Path(spill) / graph) if spill is not None else []
 
     slm.sessions = {g: Recorder(sessions[g], g, store(g), mask_negative=mask_negative, output_prefixes=output_prefixes)
-                    for g in ("tree", "prefill")}
+                    for g in slm.specs}
     run = slm._run
 
     def counted(graph, tokens, parents):  # the driver knows which rows are padding

@@ -261,41 +261,47 @@ def to_codes(feeds: dict, spec) -> dict:
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase) -> dict[str, Any]:
     import onnx
-    from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, extra_output_session, record_slm
+    from hyco.calibrate.stage import PARITY_NAMES, extra_output_session, record_slm
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
+    slm_graphs = inputs["slm_graphs"]  # the graphs the phone runs: tree alone also prefills
+    graphs = tuple(slm_graphs)
     # Each graph's fidelity session also returns its layer outputs: SQNR runs the float driver's
     # feeds through the same sessions (no second session per graph, slow to open at E2B size).
-    layers = {g: layer_outputs(onnx.load(str(convert / name), load_external_data=False)) for g, name in SLM_GRAPHS.items()}
-    taps = {g: list(layers[g].values()) for g in SLM_GRAPHS}
+    layers = {g: layer_outputs(onnx.load(str(convert / name), load_external_data=False)) for g, name in slm_graphs.items()}
+    taps = {g: list(layers[g].values()) for g in slm_graphs}
 
     def sessions(folder: Path, names: dict[str, str], tag: str) -> dict:
         return {g: extra_output_session(onnx.load(str(folder / names[g]), load_external_data=False), taps[g], tmp,
-                                        f"{tag}_{g}", weights=folder) for g in SLM_GRAPHS}
+                                        f"{tag}_{g}", weights=folder) for g in slm_graphs}
 
     # The float driver builds the trees; the QDQ driver then walks the same trees (`lockstep`'s
     # replay): two graphs' sessions open at a time, not four (GBs less at E2B size).
     script: list = []
     picks, ref_taps, q_taps = {}, {}, {}
     with phase("fidelity: float SLM passes"):
-        ref = sessions(convert, SLM_GRAPHS, "float")
+        ref = sessions(convert, slm_graphs, "float")
         f_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref], mask_negative=negative,
-                            spill=tmp / "evaluated" / "float", script=script)
-        for g in SLM_GRAPHS:
+                            spill=tmp / "evaluated" / "float", script=script, graphs=graphs)
+        for g in slm_graphs:
             rec = f_slm.sessions[g]
             picks[g] = np.linspace(0, len(rec.active) - 1, min(config.sqnr_passes, len(rec.active))).astype(int).tolist()
             ref_taps[g] = layer_taps(ref[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
-        f_slm.sessions["tree"].session = f_slm.sessions["prefill"].session = ref = None  # only their passes are read below
+        for g in graphs:
+            f_slm.sessions[g].session = None  # only their passes are read below
+        ref = None
     with phase("fidelity: QDQ SLM passes"):
         qdq = sessions(out, PARITY_NAMES, "qdq")
         q_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[qdq], mask_negative=negative,
-                            spill=tmp / "evaluated" / "qdq", replay=script)
-        for g in SLM_GRAPHS:  # the float driver's feeds: each pass's own quantization error, no KV drift
+                            spill=tmp / "evaluated" / "qdq", replay=script, graphs=graphs)
+        for g in slm_graphs:  # the float driver's feeds: each pass's own quantization error, no KV drift
             rec = f_slm.sessions[g]
             q_taps[g] = layer_taps(qdq[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
-        q_slm.sessions["tree"].session = q_slm.sessions["prefill"].session = qdq = None
+        for g in graphs:
+            q_slm.sessions[g].session = None
+        qdq = None
     results, htp_feeds = {}, {}
-    for g, name in SLM_GRAPHS.items():
+    for g, name in slm_graphs.items():
         f_rec = f_slm.sessions[g]
         q_rec = q_slm.sessions[g]
         with phase(f"fidelity: {g} metrics and SQNR"):

@@ -135,17 +135,19 @@ def check_inputs(convert: Path, qat: Path | None, vocab: Path, answers: Path) ->
 
 def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateConfig, sessions=None,
                mask_negative: float | None = None, drivers: int = 1, output_prefixes: tuple[str, ...] | None = None,
-               spill: Path | None = None, script: list | None = None, replay: list | None = None):
+               spill: Path | None = None, script: list | None = None, replay: list | None = None,
+               graphs: tuple[str, ...] = tuple(SLM_GRAPHS)):
     """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders
     keeping the outputs named `output_prefixes*`, default all; driver i's passes on disk under
     `spill`/i when given). `script` gets one list of rounds per answer, `replay` walks such
-    lists (`drive.lockstep`)."""
+    lists (`drive.lockstep`). `graphs`: the SLM graphs the phone runs (tree alone: it prefills)."""
     from hyco.calibrate.drive import lockstep, slm_driver
 
     from hyco.console import progress
 
     rng = np.random.default_rng(config.seed)
-    slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i))
+    slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i),
+                       graphs)
             for i, s in enumerate(sessions or [None] * drivers)]
     for i, a in enumerate(progress(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None)):
         if script is not None:
@@ -384,20 +386,21 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     from hyco.workers import in_processes
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
+    graphs = inputs["slm_graphs"]  # tree alone (export.slm_graphs tree-only): calibrated on its prefill passes too
     # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
     with phase("record float passes"):
         slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
-                         spill=tmp / "recorded")[0]
-        recorded = {g: (slm.sessions[g].passes.folder, len(slm.sessions[g].passes)) for g in ("tree", "prefill")}
+                         spill=tmp / "recorded", graphs=tuple(graphs))[0]
+        recorded = {g: (slm.sessions[g].passes.folder, len(slm.sessions[g].passes)) for g in graphs}
         del slm  # its two float sessions hold both graphs' weights (one graph in memory at a time)
         gc.collect()  # the driver's hook on its own _run is a reference cycle: GBs until a collection
     result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}
-    with phase("tree + prefill: prepare, mask statistics (a process each)"):
-        measured = dict(zip(SLM_GRAPHS, in_processes(
-            prepare_and_measure, [(convert, g, tmp, *recorded[g], config) for g in SLM_GRAPHS],
+    with phase(f"{' + '.join(graphs)}: prepare, mask statistics (a process each)"):
+        measured = dict(zip(graphs, in_processes(
+            prepare_and_measure, [(convert, g, tmp, *recorded[g], config) for g in graphs],
             "calibrate: preparing the SLM graphs"), strict=True))
     with phase("input grids from the LUTs and rotary tables"):
-        grids = input_grids(convert, {t.name for spec in (inputs["convert_specs"][n] for n in SLM_GRAPHS.values())
+        grids = input_grids(convert, {t.name for spec in (inputs["convert_specs"][n] for n in graphs.values())
                                       for t in spec.inputs})
     result["input_grids"] = {k: {"scale": s, "zero_point": z} for k, (s, z) in grids.items()}
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows
@@ -405,7 +408,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     mask = choose_mask(both, floor=config.mask_floor, headroom=config.mask_headroom)
     result["mask"] = mask
     done = {}
-    for g in SLM_GRAPHS:  # one at a time: each takes GBs at E2B size
+    for g in graphs:  # one at a time: each takes GBs at E2B size
         with phase(f"{g}: quantize, deployable graph, bit-exact proof, encodings"):
             done[g] = quantize_and_deploy(convert, g, tmp, out, *recorded[g], measured[g]["ranges"],
                                           mask["mask_negative"], config, inputs["convert_specs"][SLM_GRAPHS[g]],
@@ -597,13 +600,16 @@ def calibrate_mtp(qat: Path, inputs: dict, config: CalibrateConfig, tmp: Path, o
 
 
 def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, out: Path, config: CalibrateConfig,
-              two_bit_weights: dict[str, Any] | None = None, allow_parity_failure: bool = False) -> dict[str, Any]:
+              two_bit_weights: dict[str, Any] | None = None, slm_graphs: str = "tree-only",
+              allow_parity_failure: bool = False) -> dict[str, Any]:
     """Write the stage's artifacts into `out`; return a short summary for the manifest. A failed
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
     temp folder, so nothing moves into place) unless `allow_parity_failure`. `qat` None: the SLM's
     two graphs only (no MTP Drafter on the phone). `two_bit_weights`: the export section's keys
     that say how the 2-bit weights ship (`hyco.int2_blocks.export_keys`; None: its defaults): the
-    deployable graphs hold them so, and the HTP checks run them."""
+    deployable graphs hold them so, and the HTP checks run them. `slm_graphs`: export.slm_graphs,
+    the SLM graphs the phone runs: tree-only builds the tree graph alone, calibrated and measured
+    on the passes it runs on the phone, its prefill passes included."""
     from hyco.calibrate import evaluate
 
     from hyco.answers import answer_stats
@@ -616,9 +622,10 @@ def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, ou
     convert, vocab, out = Path(convert), Path(vocab), Path(out)
     qat = None if qat is None else Path(qat)
     inputs = check_inputs(convert, qat, vocab, answers)  # before anything is written
+    inputs["slm_graphs"] = {g: n for g, n in SLM_GRAPHS.items() if g == "tree" or slm_graphs != "tree-only"}
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"convert": str(convert), "qat": str(qat) if qat else None, "vocab": str(vocab), "answers": str(answers),
-                              "config": to_dict(config),
+                              "config": to_dict(config), "slm_graphs": slm_graphs,
                               "tool": "onnxruntime.quantization get_qnn_qdq_config + quantize (see quantize.py)"}
     report["data"] = answer_stats(inputs["answers"])
     report["fidelity_floor"] = {"max_kl": config.max_kl, "min_sqnr_db": config.min_sqnr_db, "basis": FLOOR_BASIS}
@@ -1069,8 +1076,9 @@ def summary_md(report: dict[str, Any]) -> str:
 
 def section(recipe: Recipe) -> dict[str, Any]:
     """calibrate's own keys, and the export keys that say how the 2-bit weights ship (the
-    deployable graphs hold them so): changing either reruns the stage."""
-    return {"calibrate": to_dict(recipe.calibrate), "two_bit_weights": export_keys(recipe.export)}
+    deployable graphs hold them so) and which SLM graphs the phone runs: changing any reruns the stage."""
+    return {"calibrate": to_dict(recipe.calibrate), "two_bit_weights": export_keys(recipe.export),
+            "slm_graphs": recipe.export.slm_graphs}
 
 
 def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
@@ -1087,4 +1095,5 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
     paths = inputs(recipe, run_dir)
     return calibrate(**{"qat": None, **paths}, out=out, config=recipe.calibrate,
-                     two_bit_weights=export_keys(recipe.export), allow_parity_failure=recipe.allow_parity_failure)
+                     two_bit_weights=export_keys(recipe.export), slm_graphs=recipe.export.slm_graphs,
+                     allow_parity_failure=recipe.allow_parity_failure)

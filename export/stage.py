@@ -69,7 +69,9 @@ def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path | N
     roles = bundle_graphs(qat, config.slm_graphs)
     for role, name in roles.items():
         if name not in specs or not (calibrate / name).is_file():
-            raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")
+            why = ("calibrate builds the prefill graph only for export.slm_graphs separate or shared: run it with "
+                   f"the same export.slm_graphs ({config.slm_graphs})") if role == "prefill" else "run calibrate first"
+            raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk ({why})")
     if qat is None and GRAPHS["mtp_step"] in specs:
         raise HycoError(f"{calibrate / 'io_spec.json'}: calibrate made an MTP step graph, but export got no qat "
                         "folder (its embedding LUT and encodings ship with it)")
@@ -393,8 +395,10 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
             "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
-            "slm_graphs": config.slm_graphs, "separate_prefill_rows": read_io_spec(calibrate / "io_spec.json")
-            [GRAPHS["prefill"]].meta["rows"] if config.slm_graphs == "tree-only" else None,
+            # the rows a separate prefill graph would take (convert builds it either way): check's
+            # timing states what one copy of the weights costs in prefill against it
+            "slm_graphs": config.slm_graphs, "separate_prefill_rows": read_io_spec(convert / "io_spec.json")
+            ["prefill.onnx"].meta["rows"] if config.slm_graphs == "tree-only" else None,
             "two_bit_weights": two_bit, "graphs": graphs,
             "files": file_table(bundle)}
     meta["footprint"] = device_footprint(graphs, meta["files"], bundle / "encodings" / "convert.encodings.json",

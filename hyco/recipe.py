@@ -261,6 +261,7 @@ class QatConfig:
 
 
 TWO_BIT_WEIGHTS = ("auto", "int2-blocks", "int4-containers")  # export.two_bit_weights
+SLM_GRAPHS = ("tree-only", "separate", "shared")  # export.slm_graphs
 HTP_OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # QNN HTP graph finalization; 0: QNN's own default
 
 

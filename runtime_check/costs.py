@@ -187,11 +187,12 @@ def prefill_markdown(p: dict[str, Any] | None) -> list[str]:
     it delays the first draft only where it outlasts TTFT (tok/s above counts that)."""
     if p is None:
         return []
+    ms = lambda v: f"{v:,.0f} ms" if v >= 10 else f"{v:.2f} ms"  # noqa: E731
     separate = "no prefill pass time in the profile or hub report" if p["separate_ms"] is None else \
-        f"{p['separate_ms']:,.0f} ms ({p['separate_source']})"
+        f"{ms(p['separate_ms'])} ({p['separate_source']})"
     return ["", f"SLM prefill on the phone, the mean prompt of {p['prompt_tokens']} tokens: this bundle (one copy of "
             f"the SLM's weights, export.slm_graphs tree-only) {p['tree_only_passes']} passes of the tree graph, "
-            f"{p['tree_only_ms']:,.0f} ms; a bundle with a separate prefill graph (the weights twice) "
+            f"{ms(p['tree_only_ms'])}; a bundle with a separate prefill graph (the weights twice) "
             f"{p['separate_passes']} passes, {separate}."]
 
 

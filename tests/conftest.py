@@ -242,7 +242,8 @@ def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
     from hyco.recipe import ExportConfig
 
     run_dir = _calibrated_run(tiny_family_distilled, tmp_path_factory.mktemp("distilled"),
-                              ["calibrate.eval_prompts=2", "calibrate.htp_check=true", "calibrate.simulator_passes=1"])
+                              ["calibrate.eval_prompts=2", "calibrate.htp_check=true", "calibrate.simulator_passes=1",
+                               "export.slm_graphs=separate"])
     out = run_dir / "export"
     export(calibrate=run_dir / "calibrate", convert=run_dir / "convert", qat=run_dir / "qat", vocab=run_dir / "vocab",
            out=out, tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],

@@ -28,7 +28,7 @@ from hyco.grids import grid_range
 from hyco.io_spec import read_io_spec
 from hyco.ort import ort_session
 
-GRAPHS = ("tree.qdq.onnx", "prefill.qdq.onnx", "mtp_step.qdq.onnx")
+GRAPHS = ("tree.qdq.onnx", "mtp_step.qdq.onnx")  # the ladder's: export.slm_graphs tree-only, the tree graph prefills
 
 
 def random_feeds(spec, seed=0, negative=-50.0):
@@ -446,7 +446,7 @@ def test_every_concat_moves_codes_or_holds_its_inputs(tiny_calibrated):
     from hyco.onnx_graph import consumers as graph_consumers
 
     out = tiny_calibrated / "calibrate"
-    for name in ("tree.qdq.onnx", "prefill.qdq.onnx"):
+    for name in ("tree.qdq.onnx",):
         model = onnx.load(str(out / name), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}
         producer = {o: n for n in model.graph.node for o in n.output}
@@ -1022,21 +1022,24 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
     convert = run / "convert"
     keep = np.asarray(load_keep_set(run / "vocab" / "keep_set.json").token_ids)
 
+    tree_only = ("tree",)  # the ladder's calibration: its tree graph prefills too
+
     def qdq():
-        return slm_driver(convert, keep, {g: cpu_session(run / "calibrate" / f"{g}.parity.qdq.onnx")
-                                          for g in ("tree", "prefill")})
+        return slm_driver(convert, keep, {"tree": cpu_session(run / "calibrate" / "tree.parity.qdq.onnx")},
+                          graphs=tree_only)
 
     prompt, answer = [2, 40, 41, 42, 43], [50, 51, 52, 53, 54, 55, 56, 57, 58]
-    together = [slm_driver(convert, keep), qdq()]
+    together = [slm_driver(convert, keep, graphs=tree_only), qdq()]
     lockstep(together, prompt, answer, chain_depth=2, topk=4, rng=np.random.default_rng(0))
     script: list = []
-    first = slm_driver(convert, keep)
+    first = slm_driver(convert, keep, graphs=tree_only)
     lockstep([first], prompt, answer, chain_depth=2, topk=4, rng=np.random.default_rng(0), script=script)
     second = qdq()
     rounds = lockstep([second], prompt, answer, chain_depth=2, topk=4, rng=np.random.default_rng(99), replay=script)
     assert rounds == len(script) >= 3
     for want, got in zip(together, (first, second), strict=True):
-        for graph in ("tree", "prefill"):
+        assert set(want.sessions) == set(got.sessions) == {"tree"}
+        for graph in tree_only:
             a, b = want.sessions[graph].passes, got.sessions[graph].passes
             assert len(a) == len(b) > 0
             for (fa, oa), (fb, ob) in zip(a, b, strict=True):

@@ -253,7 +253,7 @@ def test_the_pipeline_reads_the_verifiers_tokenizer_only_where_the_recipe_bridge
 @pytest.mark.slow
 def test_the_tiny_cross_family_recipe_end_to_end(tmp_path):
     """`hyco-convert run recipes/tiny-cross-family.yaml`: the distilled tiny SLM through calibrate
-    and export without qat (two graphs, smoke through the bridge on the HTP simulator), then check
+    and export without qat (the tree graph alone, smoke through the bridge on the HTP simulator), then check
     through the bridge: exact verification lossless with drafts accepted, MAT, the bridge's costs,
     and Table 2 / 11 against the verifier alone."""
     out = tmp_path / "run"
@@ -261,9 +261,9 @@ def test_the_tiny_cross_family_recipe_end_to_end(tmp_path):
                            "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     calibrate = json.loads((out / "calibrate" / "report.json").read_text())
-    assert sorted(calibrate["graphs"]) == ["prefill.qdq.onnx", "tree.qdq.onnx"] and calibrate["qat"] is None
+    assert sorted(calibrate["graphs"]) == ["tree.qdq.onnx"] and calibrate["qat"] is None  # tree-only: it prefills
     bundle = json.loads((out / "export" / "bundle" / "bundle.json").read_text())
-    assert sorted(bundle["graphs"]) == ["prefill", "tree"] and "embed_lut.safetensors" not in bundle["files"]
+    assert sorted(bundle["graphs"]) == ["tree"] and "embed_lut.safetensors" not in bundle["files"]
     smoke = json.loads((out / "export" / "smoke" / "report.json").read_text())
     assert smoke["passed"] and smoke["drafting"] == "specedge through the token bridge"
     report = json.loads((out / "check" / "report.json").read_text())

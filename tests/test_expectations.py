@@ -55,6 +55,12 @@ def _cost(name: str, key: str) -> Callable[[Path], float]:
     return lambda run: _json(run, "check/report.json")["costs"]["rows"][name][key]
 
 
+def _slm_copies(run: Path) -> str:
+    graphs = _json(run, "export/bundle/bundle.json")["graphs"]
+    binaries = {role: {p["binary"] for p in graphs.get(role, {}).get("parts", [])} for role in ("tree", "prefill")}
+    return str(1 + bool(binaries["prefill"] - binaries["tree"]))  # a prefill context of its own: a second copy
+
+
 READERS: dict[str, Callable[[Path], object]] = {
     "run verdict": lambda run: (run / "run_summary.md").read_text().splitlines()[0].split(": ", 1)[1].split(" ")[0],
     "convert: integer weights bit-exact": _bitexact,
@@ -62,8 +68,8 @@ READERS: dict[str, Callable[[Path], object]] = {
     "qat: W4 head top-1 agreement with the BF16 head":
         lambda run: _percent(_json(run, "qat/report.json")["agreement"]["w4_qat"]["top1_agreement"]),
     "calibrate: tree top-1 agreement with its float graph": _top1("tree.qdq.onnx"),
-    "calibrate: prefill top-1 agreement with its float graph": _top1("prefill.qdq.onnx"),
     "calibrate: MTP step top-1 agreement with its float graph": _top1("mtp_step.qdq.onnx"),
+    "export: copies of the SLM's weights on the phone": _slm_copies,
     "export: smoke": lambda run: "PASS" if _json(run, "export/report.json")["smoke"]["passed"] else "FAIL",
     "check: exact configurations lossless": _lossless,
     "check: HyCo MAT": lambda run: _json(run, "check/report.json")["configs"]["hyco"]["mat"],

@@ -358,16 +358,19 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
 
 
 @pytest.mark.slow
-def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(tiny_calibrated, tiny_family,
-                                                                                tmp_path):
+def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(tiny_export_distilled,
+                                                                                tiny_family_distilled, tmp_path):
+    """On a calibration of both SLM graphs (export.slm_graphs separate): the shared context holds
+    them in one binary, a separate bundle holds the weights twice."""
     from hyco.export.stage import export
 
     from hyco.bundle import verify_bundle
 
+    run, _ = tiny_export_distilled
     out = tmp_path / "export"
-    export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert", qat=tiny_calibrated / "qat",
-           vocab=tiny_calibrated / "vocab", out=out, tokenizer=tiny_family["tokenizer"],
-           verifier=tiny_family["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="shared"))
+    export(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat",
+           vocab=run / "vocab", out=out, tokenizer=tiny_family_distilled["tokenizer"],
+           verifier=tiny_family_distilled["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="shared"))
     meta = verify_bundle(out / "bundle")
     tree, prefill = meta["graphs"]["tree"], meta["graphs"]["prefill"]
     assert tree["parts"][0]["binary"] == prefill["parts"][0]["binary"]
@@ -383,9 +386,9 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
     # against the ladder's two separate contexts: sharing saves one copy of the weights (graph
     # metadata differs a little between the two layouts, hence 0.9)
-    export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert", qat=tiny_calibrated / "qat",
-           vocab=tiny_calibrated / "vocab", out=tmp_path / "separate", tokenizer=tiny_family["tokenizer"],
-           verifier=tiny_family["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))
+    export(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat",
+           vocab=run / "vocab", out=tmp_path / "separate", tokenizer=tiny_family_distilled["tokenizer"],
+           verifier=tiny_family_distilled["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))
     meta = verify_bundle(tmp_path / "separate" / "bundle")
     separate, blobs = meta["graphs"], meta["footprint"]["resident_per_context"]
     assert set(separate) == {"tree", "prefill", "mtp_step"} and meta["separate_prefill_rows"] is None
@@ -393,9 +396,22 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert slm_row["bundle_bytes"] == blobs["tree_ctx_qnn.bin"] + blobs["prefill_ctx_qnn.bin"]  # the weights twice
     saved = sum(separate[r]["parts"][0]["binary_bytes"] for r in ("tree", "prefill")) - shared_bytes
     assert saved >= 0.9 * tree["weight_bytes"], (saved, tree["weight_bytes"])
-    done = _smoke_cli(out / "bundle", tiny_family["verifier"])
+    done = _smoke_cli(out / "bundle", tiny_family_distilled["verifier"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cannot load a shared" in done.stderr
     print(f"shared tree+prefill context: {shared_bytes} B")
+
+
+def test_a_separate_prefill_graph_needs_its_calibration(tiny_calibrated, tmp_path):
+    """The ladder calibrates the tree graph alone (export.slm_graphs tree-only): exporting it with a
+    separate prefill graph is refused in one line that says how to get one, and writes nothing."""
+    from hyco.export.stage import export
+
+    with pytest.raises(HycoError, match=r"no prefill.qdq.onnx \(prefill graph\) .*calibrate builds the prefill graph "
+                                        r"only for export.slm_graphs separate or shared"):
+        export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert",
+               qat=tiny_calibrated / "qat", vocab=tiny_calibrated / "vocab", out=tmp_path / "export",
+               config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))
+    assert not (tmp_path / "export" / "bundle" / "bundle.json").exists()
 
 
 def test_the_footprint_compares_with_the_recipes_targets():

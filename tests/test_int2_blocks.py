@@ -264,7 +264,7 @@ def test_the_ladders_deployable_graphs_carry_proven_int2_blocks(tiny_calibrated)
     if said["encoding"] != "int2-blocks":
         pytest.skip(f"this machine ships INT4 containers: {said['why']}")
     encodings = json.loads((out / "encodings.json").read_text())["graphs"]
-    for name in ("tree.qdq.onnx", "prefill.qdq.onnx"):
+    for name in ("tree.qdq.onnx",):  # the ladder's SLM: tree-only
         twin, deployed = load_graph(out / name.replace(".qdq", ".parity.qdq")), load_graph(out / name)
         held = specs[name].meta["two_bit_weights"]
         assert held["rewritten"] and held["kept_in_int4"] == {} and set(block_weights(deployed)) == set(held["rewritten"])
