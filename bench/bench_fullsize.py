@@ -4,8 +4,8 @@ the paper's Table 3 gives.
 
     .venv/bin/python bench/bench_fullsize.py --out DIR [--family DIR] [--recipe FILE] [--set KEY=VALUE ...]
 
-Without --family it first writes the e2b-shapes family (`hyco-convert fixtures --preset
-e2b-shapes`; timed, but outside the dry run's totals) into DIR/family. The recipe (default
+Without --family it first writes the recipe's fixtures preset (`hyco-convert fixtures --preset
+e2b-shapes` for the default recipe; timed, but outside the dry run's totals) into DIR/family. The recipe (default
 recipes/e2b-shapes.yaml, else recipes/tiny.yaml's settings) gets the family's folders and the
 PLUMBING overrides below: a few QAT steps and calibration prompts, no HTP simulator runs and no
 smoke test, convert's parity checks off (bit-exactness is always proven). This measures
@@ -186,6 +186,14 @@ def base_recipe(explicit: Path | None) -> Path:
         return explicit
     full = ROOT / "recipes" / "e2b-shapes.yaml"
     return full if full.is_file() else ROOT / "recipes" / "tiny.yaml"
+
+
+def recipe_preset(recipe: Path) -> str:
+    """The fixtures preset the recipe names (e2b-shapes, e4b-shapes), so the family has its shapes."""
+    from hyco.recipe import load_recipe
+
+    fixtures = load_recipe(recipe).fixtures
+    return fixtures.preset if fixtures is not None else "e2b-shapes"
 
 
 def recipe_overrides(family: Path, run_dir: Path, stages: tuple[str, ...], vocab_size: int | None,
@@ -390,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="bench folder (run/, logs/, family/, report)")
     parser.add_argument("--family", type=Path, help="a fixtures folder (tokenizer/, slm/, verifier/, assistant/); "
-                        "default: write the e2b-shapes family into OUT/family")
+                        "default: write the recipe's fixtures preset (e2b-shapes, e4b-shapes) into OUT/family")
     parser.add_argument("--recipe", type=Path, help="base recipe (default: recipes/e2b-shapes.yaml)")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, in order (default: all five)")
     parser.add_argument("--vocab-size", type=int, help="keep-set size (default: the recipe's; the paper's is 86089)")
@@ -439,8 +447,9 @@ def main() -> int:
                                 "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}}
     family = args.family.resolve() if args.family else out / "family"
     if args.family is None:
-        print(f"[fixtures] writing the e2b-shapes family into {family} (outside the totals) ...", flush=True)
-        cmd = [sys.executable, "-m", "hyco.cli", "fixtures", "--preset", "e2b-shapes", "--out", str(family)]
+        preset = recipe_preset(recipe)
+        print(f"[fixtures] writing the {preset} family into {family} (outside the totals) ...", flush=True)
+        cmd = [sys.executable, "-m", "hyco.cli", "fixtures", "--preset", preset, "--out", str(family)]
         m = measure(cmd, logs / "fixtures.log")
         report["fixtures"] = {**m, "bytes": folder_bytes(family)[0]}
         if m["rc"] != 0:

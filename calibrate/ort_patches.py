@@ -205,7 +205,7 @@ def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
     the same every pass, so it is computed once here, exactly: DequantizeLinear is (q - z) * s in
     float32, monotonic in q for each channel's s, so each channel's extremes are the products at
     its extreme codes. The weights are read from `folder` one at a time; the model stays weightless."""
-    from hyco.calibrate.prepare import loaded
+    from hyco.onnx_graph import loaded
 
     graph = model.graph
     inits = {t.name: t for t in model.graph.initializer}

@@ -45,6 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 from hyco.errors import HycoError
 from hyco.io_spec import Role, role_of
 from hyco.onnx_graph import consumers as graph_consumers
+from hyco.onnx_graph import loaded
 
 FOLD_MAX_ELEMENTS = 4096  # fold constant subgraphs up to this size (shapes, small tables; never weights)
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -523,20 +524,6 @@ def load_graph(path) -> onnx.ModelProto:
 def _external_length(t: onnx.TensorProto) -> int:
     info = {e.key: e.value for e in t.external_data}
     return int(info.get("length", 1 << 62))
-
-
-def loaded(t: onnx.TensorProto, folder) -> onnx.TensorProto:
-    """`t` with its values in memory: itself if they are, else a copy read from `folder`."""
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    if not uses_external_data(t):
-        return t
-    out = onnx.TensorProto()
-    out.CopyFrom(t)
-    load_external_data_for_tensor(out, str(folder))
-    del out.external_data[:]
-    out.data_location = TensorProto.DEFAULT
-    return out
 
 
 class WeightFile:

@@ -494,7 +494,7 @@ def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folder
     """Every source weight's ints and scales equal in the QDQ graph (bit for bit). One weight
     read and unpacked at a time (all of them unpacked at once is twice each graph's INT4 bytes);
     `folders`: where each model's weights on disk are (`prepare.load_graph`)."""
-    from hyco.calibrate.prepare import loaded
+    from hyco.onnx_graph import loaded
 
     a, b = _weight_refs(source), _weight_refs(quantized)
     rows = {}

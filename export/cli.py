@@ -18,7 +18,8 @@ BUNDLE_ONLY = ("convert", "qat", "vocab", "tokenizer", "verifier", "verifier_tok
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = stage_command(
         sub, "export", run=_cmd_export, sections={"export": _DEFAULT}, proof=True,
-        inputs={"calibrate": "calibrate stage output (tree/prefill/mtp_step .qdq.onnx)"},
+        inputs={"calibrate": "calibrate stage output (tree, mtp_step and, for --slm-graphs separate or shared, "
+                              "prefill .qdq.onnx)"},
         optional={"convert": "convert stage output (luts/, rope.json, encodings.json); not with --hub",
                   "qat": "qat stage output (embed_lut.safetensors, encodings.json); not with --hub",
                   "vocab": "vocab stage output (keep set, reserved prompts); not with --hub",
@@ -28,7 +29,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                   "verifier_tokenizer": "the verifier's own tokenizer, for a verifier of another family: the smoke "
                   "run drafts for it through the token bridge"},
         help="QNN HTP context binaries for SM8850 (soc_model 87) and a self-describing bundle",
-        description="Compile calibrate's tree, prefill and mtp_step QDQ graphs offline (onnxruntime-qnn, prepare "
+        description="Compile calibrate's QDQ graphs (the tree graph, which also prefills under the default "
+        "--slm-graphs tree-only, a prefill graph for separate or shared, and mtp_step) offline (onnxruntime-qnn, prepare "
         "only) into QNN context binaries for --soc-model, and write OUT/bundle/ (binaries, EPContext wrappers, CPU "
         "LUTs, keep set, rope spec, io_spec, encodings, tokenizer, bundle.json with sha256 per file and the I/O read "
         "back from each binary), report.json and summary.md. With --hub: compile and profile on a qai-hub device.")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hyco.errors import ProofFailed
+from hyco.onnx_graph import loaded
 
 INT2_OPSET = 25  # ONNX INT2 in DequantizeLinear
 INT2_IR_VERSION = 13
@@ -76,21 +77,6 @@ def unpack_int2(raw: bytes, count: int) -> np.ndarray:
     return out[:count]
 
 
-def _loaded(t, folder: Path | None):
-    """`t` with its values in memory (a copy read from `folder` when they are on disk)."""
-    import onnx
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    if not uses_external_data(t):
-        return t
-    out = onnx.TensorProto()
-    out.CopyFrom(t)
-    load_external_data_for_tensor(out, str(folder))
-    del out.external_data[:]
-    out.data_location = onnx.TensorProto.DEFAULT
-    return out
-
-
 def _ints(t) -> np.ndarray:
     """An INT4 / INT2 / INT8 initializer (values in memory) as int8, through onnx's own unpacking."""
     from onnx import numpy_helper
@@ -104,7 +90,7 @@ def _attr(node, name: str, default: int) -> int:
 
 @dataclass
 class _Weight:
-    """One 2-bit weight DequantizeLinear: its node and the INT4 container's tensors (`_loaded` reads
+    """One 2-bit weight DequantizeLinear: its node and the INT4 container's tensors (`loaded` reads
     them when the weight's turn comes: one INT4 weight in memory at a time)."""
 
     node: Any
@@ -128,7 +114,7 @@ def _why_not(node, inits: dict, readers: dict[str, int], block_size: int, folder
         return "not a 2-D INT4 weight with one scale per output channel"
     if readers[node.input[0]] > 1:
         return f"its ints are read by {readers[node.input[0]]} nodes"
-    if zero_t is not None and _ints(_loaded(zero_t, folder)).any():
+    if zero_t is not None and _ints(loaded(zero_t, folder)).any():
         return "its zero point is not 0"
     k = ints_t.dims[1 - channel]
     if k % block_size:
@@ -221,7 +207,7 @@ def to_int2_blocks(model, two_bit: Collection[str], block_size: int, folder: Pat
     chosen, kept = _candidates(model, set(two_bit), block_size, folder)
     replace, added, dropped, bytes_before, bytes_after = {}, [], set(), 0, 0
     for ref in chosen:
-        w = _Weight(ref.node, *(None if t is None else _loaded(t, folder) for t in (ref.ints, ref.scale, ref.zero)),
+        w = _Weight(ref.node, *(None if t is None else loaded(t, folder) for t in (ref.ints, ref.scale, ref.zero)),
                     ref.channel_axis)
         blocked = _blocked(w, block_size)
         block_axis = 1 - w.channel_axis
@@ -313,8 +299,8 @@ def prove_int2_blocks(source, blocked, folders: tuple[Path | None, Path | None] 
     for name, (ints, scale, zero, axis, size) in block_weights(blocked).items():
         if name not in channel:
             raise ProofFailed(f"int2 blocks: {name} has no INT4 container of that name in the source graph")
-        container = tuple(None if t is None else _loaded(t, folders[0]) for t in channel[name])
-        prove_weight(name, container, tuple(_loaded(t, folders[1]) for t in (ints, scale, zero)), axis, size)
+        container = tuple(None if t is None else loaded(t, folders[0]) for t in channel[name])
+        prove_weight(name, container, tuple(loaded(t, folders[1]) for t in (ints, scale, zero)), axis, size)
         proven += 1
     return {"weights": proven, "all_equal": True}
 

@@ -1,4 +1,4 @@
-"""Small ONNX graph lookups shared by convert's CPU-session rewrites and calibrate's preparation."""
+"""Small ONNX graph helpers shared by convert's CPU-session rewrites, calibrate's preparation and the INT2 rewrite."""
 
 from __future__ import annotations
 
@@ -10,3 +10,19 @@ def consumers(graph) -> dict[str, list]:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     return readers
+
+
+def loaded(t, folder):
+    """`t` (an onnx TensorProto) with its values in memory: itself if they are, else a copy read
+    from `folder`, where its external data lies."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    if not uses_external_data(t):
+        return t
+    out = onnx.TensorProto()
+    out.CopyFrom(t)
+    load_external_data_for_tensor(out, str(folder))
+    del out.external_data[:]
+    out.data_location = onnx.TensorProto.DEFAULT
+    return out

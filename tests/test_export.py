@@ -445,10 +445,7 @@ def test_a_binary_over_the_session_budget_is_refused_naming_it_and_nothing_is_mo
     weights = weight_bytes(tree)
     budget = weights + 1  # the weights fit (no split), the compiled graph with them does not
     out = tmp_path / "export"
-    argv = ["export", "--calibrate", str(tiny_calibrated / "calibrate"), "--convert", str(tiny_calibrated / "convert"),
-            "--qat", str(tiny_calibrated / "qat"), "--vocab", str(tiny_calibrated / "vocab"), "--out", str(out),
-            "--smoke-prompts", "0", "--max-context-bytes", str(budget), "--max-session-bytes", str(budget)]
-    assert main(argv) == 2
+    assert main(_export_under_budget(tiny_calibrated, out, budget)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the tree context binary is" in err[0] and f"over export.max_session_bytes {budget:,}" \
         in err[0], err
@@ -456,6 +453,13 @@ def test_a_binary_over_the_session_budget_is_refused_naming_it_and_nothing_is_mo
     assert ExportConfig().max_session_bytes == 3_500_000_000
     with pytest.raises(ValueError, match="max_context_bytes must be > 0 and <= export.max_session_bytes"):
         ExportConfig(max_context_bytes=4 * 10**9)
+
+
+def _export_under_budget(run: Path, out: Path, budget: int) -> list[str]:
+    """`export` of the ladder's run with no smoke and `budget` as both the context and session limit."""
+    return ["export", "--calibrate", str(run / "calibrate"), "--convert", str(run / "convert"), "--qat", str(run / "qat"),
+            "--vocab", str(run / "vocab"), "--out", str(out), "--smoke-prompts", "0", "--max-context-bytes", str(budget),
+            "--max-session-bytes", str(budget)]
 
 
 def test_a_bundle_over_the_session_budget_together_is_refused_naming_its_contexts(tiny_calibrated, tmp_path, capsys):
@@ -472,10 +476,7 @@ def test_a_bundle_over_the_session_budget_together_is_refused_naming_its_context
     assert session["resident_bytes"] == sum(contexts.values()) and session["fits"]
     budget = (max(contexts.values()) + sum(contexts.values())) // 2  # over the largest, under the sum
     out = tmp_path / "export"
-    argv = ["export", "--calibrate", str(tiny_calibrated / "calibrate"), "--convert", str(tiny_calibrated / "convert"),
-            "--qat", str(tiny_calibrated / "qat"), "--vocab", str(tiny_calibrated / "vocab"), "--out", str(out),
-            "--smoke-prompts", "0", "--max-context-bytes", str(budget), "--max-session-bytes", str(budget)]
-    assert main(argv) == 2
+    assert main(_export_under_budget(tiny_calibrated, out, budget)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "into one HTP session" in err[0] and f"over export.max_session_bytes {budget:,}" in err[0]
     for name in contexts:
