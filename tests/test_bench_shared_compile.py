@@ -40,9 +40,10 @@ def test_session_phases_follow_the_eps_markers_per_session(tmp_path):
 
 
 @pytest.mark.slow  # three fresh interpreters, each compiling on the HTP prepare path
-def test_the_bench_compiles_both_ways_and_reads_the_phases(tiny_calibrated, tmp_path):
+def test_the_bench_compiles_both_ways_and_reads_the_phases(tiny_export_distilled, tmp_path):
+    run, _ = tiny_export_distilled  # calibrated for separate SLM graphs: tree and prefill
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_shared_compile.py"),
-                           "--calibrate", str(tiny_calibrated / "calibrate"), "--out", str(tmp_path)],
+                           "--calibrate", str(run / "calibrate"), "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "bench_report.json").read_text())

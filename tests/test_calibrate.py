@@ -638,16 +638,18 @@ def test_slm_sqnr_from_the_fidelity_sessions_equals_fresh_sessions(tiny_calibrat
     run = tiny_calibrated
     out = run / "calibrate"
     inputs = check_inputs(run / "convert", run / "qat", run / "vocab", run / "answers")
+    inputs["slm_graphs"] = {g: n for g, n in SLM_GRAPHS.items() if g == "tree"}  # the ladder's: tree-only
     negative = read_io_spec(out / "io_spec.json")["tree.qdq.onnx"].meta["mask_negative"]
     seen = []
     real = evaluate.layer_taps
     monkeypatch.setattr(evaluate, "layer_taps", lambda s, t, f, r: seen.append((f, r)) or real(s, t, f, r))
     config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=2, max_kl=None, min_sqnr_db=None)
     result = evaluate.run_slm(run / "convert", out, inputs, config, negative, tmp_path, Phases("test"))
-    assert len(seen) == 4  # float then QDQ, per graph, on the same feeds
-    for i, (g, name) in enumerate(SLM_GRAPHS.items()):
+    graphs = inputs["slm_graphs"]
+    assert len(seen) == 2 * len(graphs)  # float then QDQ, per graph, on the same feeds
+    for i, (g, name) in enumerate(graphs.items()):
         feeds, rows = seen[i]
-        q_feeds, q_rows = seen[2 + i]
+        q_feeds, q_rows = seen[len(graphs) + i]
         assert len(feeds) == 2 and q_rows == rows and all(a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
                                                           for a, b in zip(feeds, q_feeds, strict=True))
         fresh = evaluate.sqnr(onnx.load(str(run / "convert" / name), load_external_data=False),
