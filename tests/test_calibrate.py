@@ -607,9 +607,12 @@ def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated,
     run = tiny_calibrated
     out = run / "calibrate"
     inputs = check_inputs(run / "convert", run / "qat", run / "vocab", run / "answers")
+    inputs["slm_graphs"] = {"tree": "tree.onnx"}  # the ladder's SLM: tree-only, the tree graph prefills
     prepared, _ = prepare.prepare_mtp(onnx.load(str(run / "qat" / MTP_GRAPH)))
     prepare.save(prepared, tmp_path / "mtp.prepared.onnx")
-    specs = {g: read_io_spec(out / "io_spec.json")[name] for g, name in OUT_NAMES.items()}
+    io = read_io_spec(out / "io_spec.json")
+    specs = {g: io[name] for g, name in OUT_NAMES.items() if name in io}
+    assert set(specs) == {"tree", "mtp"}
     config = CalibrateConfig(eval_prompts=1, max_new_tokens=8, sqnr_passes=1, mtp_positions=1, mtp_steps=2,
                              max_kl=None, min_sqnr_db=None)
     fidelity = evaluate.run_all(run / "convert", run / "qat", out, inputs, config, specs["tree"].meta["mask_negative"],
