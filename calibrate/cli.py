@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 
 from hyco.cli import NOT_GIVEN, stage_command
-from hyco.recipe import SLM_GRAPHS, TWO_BIT_WEIGHTS, CalibrateConfig, ExportConfig, field_help, to_dict
+from hyco.recipe import (
+    SLM_GRAPHS,
+    TWO_BIT_WEIGHTS,
+    CalibrateConfig,
+    ExportConfig,
+    field_help,
+    ships_prefill,
+    to_dict,
+)
 
 # the export keys the deployable graphs follow (how the 2-bit weights ship): flags here too
 EXPORT_FLAGS = {"two_bit_weights": {"choices": TWO_BIT_WEIGHTS}, "int2_block_size": {"type": int},
@@ -54,7 +62,7 @@ def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateCo
     s = manifest["summary"]
     warn_if_proof_failed(manifest)
     figures = ", ".join(f"{g}: top-1 {v['top1']}, cpu_nodes {v['cpu_nodes']}" for g, v in s.items() if isinstance(v, dict))
-    graphs = "tree.qdq.onnx" + (", prefill.qdq.onnx" if export.slm_graphs != "tree-only" else "") \
+    graphs = "tree.qdq.onnx" + (", prefill.qdq.onnx" if ships_prefill(export.slm_graphs) else "") \
         + (", mtp_step.qdq.onnx" if "qat" in inputs else "")
     print(f"wrote {out}: {graphs}, io_spec.json, encodings.json ({stage_state(manifest)}); {figures}")
     qat = f" --qat {inputs['qat']}" if "qat" in inputs else ""

@@ -39,7 +39,7 @@ from hyco.heap import return_large_blocks
 from hyco.int2_blocks import TwoBitDecision, decide, export_keys
 from hyco.io_spec import Role, role_of
 from hyco.pass_compare import kv_grid_steps
-from hyco.recipe import CalibrateConfig, ExportConfig, Recipe, to_dict
+from hyco.recipe import CalibrateConfig, ExportConfig, Recipe, ships_prefill, to_dict
 
 SLM_GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
 MTP_GRAPH = "mtp_step.onnx"
@@ -622,7 +622,7 @@ def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, ou
     convert, vocab, out = Path(convert), Path(vocab), Path(out)
     qat = None if qat is None else Path(qat)
     inputs = check_inputs(convert, qat, vocab, answers)  # before anything is written
-    inputs["slm_graphs"] = {g: n for g, n in SLM_GRAPHS.items() if g == "tree" or slm_graphs != "tree-only"}
+    inputs["slm_graphs"] = {g: n for g, n in SLM_GRAPHS.items() if g == "tree" or ships_prefill(slm_graphs)}
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"convert": str(convert), "qat": str(qat) if qat else None, "vocab": str(vocab), "answers": str(answers),
                               "config": to_dict(config), "slm_graphs": slm_graphs,

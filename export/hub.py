@@ -31,7 +31,7 @@ from hyco.artifacts import atomic_dir, markdown_table, write_json
 from hyco.errors import HycoError
 from hyco.io_spec import GRAPHS, read_io_spec
 from hyco.qnn import soc_info
-from hyco.recipe import ExportConfig
+from hyco.recipe import ExportConfig, ships_prefill
 
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
 DLC_OPTIONS = "--target_runtime qnn_dlc --compute_unit npu"  # a link job's inputs
@@ -67,7 +67,7 @@ def compile_requests(calibrate: Path, config: ExportConfig) -> list[dict[str, An
     specs = read_io_spec(Path(calibrate) / "io_spec.json")
     requests = []
     for role, name in GRAPHS.items():
-        if role == "prefill" and config.slm_graphs == "tree-only":  # the tree graph prefills too
+        if role == "prefill" and not ships_prefill(config.slm_graphs):  # the tree graph prefills too
             continue
         if name not in specs or not (Path(calibrate) / name).is_file():
             raise HycoError(f"{calibrate}: no {name} ({role} graph) in io_spec.json or on disk (run calibrate first)")

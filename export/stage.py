@@ -28,7 +28,7 @@ from hyco.artifacts import (
 from hyco.errors import HycoError
 from hyco.heap import return_large_blocks
 from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec, write_io_spec
-from hyco.recipe import ExportConfig, Recipe, to_dict
+from hyco.recipe import ExportConfig, Recipe, ships_prefill, to_dict
 from hyco.stages import stage_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
@@ -58,7 +58,7 @@ def bundle_graphs(qat: Path | None, slm_graphs: str) -> dict[str, str]:
     prefills too (export.slm_graphs tree-only), and the MTP step graph when the recipe has an MTP
     Drafter (qat)."""
     return {role: name for role, name in GRAPHS.items()
-            if (role != "mtp_step" or qat is not None) and (role != "prefill" or slm_graphs != "tree-only")}
+            if (role != "mtp_step" or qat is not None) and (role != "prefill" or ships_prefill(slm_graphs))}
 
 
 def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path | None, vocab: Path,

@@ -262,6 +262,11 @@ class QatConfig:
 
 TWO_BIT_WEIGHTS = ("auto", "int2-blocks", "int4-containers")  # export.two_bit_weights
 SLM_GRAPHS = ("tree-only", "separate", "shared")  # export.slm_graphs
+
+
+def ships_prefill(slm_graphs: str) -> bool:
+    """Whether export.slm_graphs ships a prefill graph (tree-only: the tree graph prefills too)."""
+    return slm_graphs != "tree-only"
 HTP_OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # QNN HTP graph finalization; 0: QNN's own default
 
 
