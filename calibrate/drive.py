@@ -83,6 +83,7 @@ class Recorder:
     passes: list[tuple[dict, dict]] | SpilledPasses = field(default_factory=list)
     keep_outputs: bool = True
     active: list[int] = field(default_factory=list)  # real (non-padding) rows of each pass, leading
+    prefill: list[bool] = field(default_factory=list)  # each pass: the prompt's (SlmOnnx.start), else a round's
     mask_negative: float | None = None  # rewrite the host's masks to this value before running
     output_prefixes: tuple[str, ...] | None = None  # keep only these outputs (None: all)
 
@@ -121,14 +122,23 @@ def slm_driver(convert_dir: Path, keep_ids, sessions: dict[str, object] | None =
 
     slm.sessions = {g: Recorder(sessions[g], g, store(g), mask_negative=mask_negative, output_prefixes=output_prefixes)
                     for g in slm.specs}
-    run = slm._run
+    run, start = slm._run, slm.start
+    prefilling = [False]
 
-    def counted(graph, tokens, parents):  # the driver knows which rows are padding
+    def counted(graph, tokens, parents):  # the driver knows which rows are padding, and which passes prefill
         out = run(graph, tokens, parents)
         slm.sessions[graph].active.append(len(tokens))
+        slm.sessions[graph].prefill.append(prefilling[0])
         return out
 
-    slm._run = counted
+    def tagged_start(prompt):
+        prefilling[0] = True
+        try:
+            start(prompt)
+        finally:
+            prefilling[0] = False
+
+    slm._run, slm.start = counted, tagged_start
     return slm
 
 

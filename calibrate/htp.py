@@ -232,6 +232,7 @@ def compare_ops(graph: Path, model, htp_session_of, feeds: list[dict]) -> dict:
     return {"tensors": len(worst), "passes": len(feeds), "kept_bits": {**KEPT_BITS, "other": OTHER_KEPT_BITS},
             "beyond_tolerance": [{"tensor": n, **worst[n]} for n in beyond[:10]], "within_tolerance": not beyond,
             "max_codes": {n: r["max_codes"] for n, r in worst.items()},
+            "mean_codes": {n: r["mean_codes"] for n, r in worst.items()},
             "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]["max_codes"]))}
 
 

@@ -690,6 +690,10 @@ def _fidelity_line(graph: str, v: dict) -> verdict.Line:
     floor, worst = v["fidelity_floor"], (v["worst_layers"] or [{}])[0]
     figure = (f"top-1 {verdict.percent(v['top1_agreement'])}, KL {v['kl']:.1e} nats, worst layer "
               f"{worst.get('sqnr_db', float('nan')):.1f} dB")
+    prompt = v.get("prefill_passes")
+    if prompt and prompt["passes"]:
+        figure += (f"; on its {prompt['passes']} prompt passes alone top-1 {verdict.percent(prompt['top1_agreement'])}, "
+                   f"KL {prompt['kl']:.1e} nats")
     check = f"{graph} fidelity vs its float graph"
     if floor["max_kl"] is None and floor["min_sqnr_db"] is None:
         return verdict.Line(check, verdict.INFO, figure + " (floor off: calibrate.max_kl and min_sqnr_db null)")
@@ -766,6 +770,7 @@ def graph_rows(built: dict[str, Any]) -> dict[str, dict[str, Any]]:
         spread = built["spread"][g]
         rows[OUT_NAMES[g]] = {
             "top1_agreement": f["top1_agreement"], "kl": f["kl"], "rows": f["rows"],
+            **{k: f[k] for k in ("prefill_passes", "round_passes") if k in f},
             "cpu_nodes": h.get("cpu_nodes"), "htp_accepted": h.get("accepted"), "htp": h,
             "mask_margin": {k: mask[k] for k in ("mask_negative", "max_masked_mass", "margin_nats", "worst_d",
                                                  "max_visible_spread")},
@@ -798,9 +803,14 @@ def fidelity_floor(convert: Path, out: Path, tmp: Path, fidelity: dict, config: 
         parity = onnx.load(str(out / PARITY_NAMES[g]), load_external_data=False)
         worst = v["worst_layers"][0] if v["worst_layers"] else None
         kl_ok = config.max_kl is None or v["kl"] <= config.max_kl
+        # a tree-only SLM's prompt passes are held on their own: pooled with its rounds, a prefill
+        # the QDQ graph gets wrong would hide behind the rounds' rows
+        prompt_kl = (v.get("prefill_passes") or {}).get("kl")
+        prompt_ok = config.max_kl is None or prompt_kl is None or prompt_kl <= config.max_kl
         db_ok = config.min_sqnr_db is None or worst is None or worst["sqnr_db"] >= config.min_sqnr_db
-        verdict = {"max_kl": config.max_kl, "min_sqnr_db": config.min_sqnr_db, "kl": v["kl"],
-                   "worst_layer": worst, "passed": kl_ok and db_ok, "kl_ok": kl_ok, "sqnr_ok": db_ok,
+        verdict = {"max_kl": config.max_kl, "min_sqnr_db": config.min_sqnr_db, "kl": v["kl"], "prefill_passes_kl": prompt_kl,
+                   "worst_layer": worst, "passed": kl_ok and prompt_ok and db_ok, "kl_ok": kl_ok,
+                   "prefill_kl_ok": prompt_ok, "sqnr_ok": db_ok,
                    "srq_fewest_codes": evaluate.srq_code_spans(parity)[:3]}
         if not verdict["passed"]:
             ref, weights = ((tmp / "mtp.prepared.onnx", None) if g == "mtp"
@@ -817,6 +827,8 @@ def floor_failure(g: str, f: dict[str, Any]) -> str:
     said = []
     if not f["kl_ok"]:
         said.append(f"KL against its float graph {f['kl']:.4f} nats > {f['max_kl']}")
+    if not f.get("prefill_kl_ok", True):
+        said.append(f"KL on its prompt (prefill) passes {f['prefill_passes_kl']:.4f} nats > {f['max_kl']}")
     layer = f["worst_layer"] or {}
     if not f["sqnr_ok"]:
         said.append(f"SQNR {layer['sqnr_db']:.1f} dB < {f['min_sqnr_db']} dB")
@@ -877,6 +889,7 @@ def htp_proofs(out: Path, specs: dict, htp_feeds: dict[str, list[dict]],
         # the codes the bound perturbed each tensor by (the HTP's measured worst, at least 1): smoke
         # perturbs its own passes by them
         specs[g].meta["htp_op_codes"] = b["amplitude"] if g in ops else None
+        specs[g].meta["htp_op_rates"] = b["rates"] if g in ops else None  # how many elements, each
         specs[g].meta["htp_op_kept_bits"] = b["op_kept_bits"]
     results = htp_checks(out, specs, htp_feeds, config.simulator_passes) if config.htp_check else {}
     for g, o in ops.items():
@@ -922,8 +935,10 @@ def htp_bounds(out: Path, specs: dict, htp_feeds: dict[str, list[dict]], config:
         measured = ops.get(g)
         amplitude = measured["max_codes"] if measured else None
         b = evaluate.perturbation_bound(graph, onnx.load(str(graph), load_external_data=False), feeds, seed=config.seed,
-                                        amplitude=amplitude, kv_outputs=kv_grid_steps(specs[g]))
-        basis = ("the HTP's measured worst codes per tensor, at every element" if measured
+                                        amplitude=amplitude, kv_outputs=kv_grid_steps(specs[g]),
+                                        mean_codes=measured and measured.get("mean_codes"))
+        basis = ("the HTP's measured worst codes per tensor, on as many elements as its measured mean says, x "
+                 f"{b['factor']:g}" if measured
                  else "the per-op tolerance at every element (no simulator measurement)")
         out_bounds[g] = {**b, "basis": basis, "op_kept_bits": {**KEPT_BITS, "other": OTHER_KEPT_BITS}}
     return out_bounds
@@ -1043,6 +1058,15 @@ def summary_md(report: dict[str, Any]) -> str:
     md += (f"\nFidelity floor: KL <= {first['max_kl']} nats and every layer's SQNR >= {first['min_sqnr_db']} dB "
            f"(None: off). Why there: {FLOOR_BASIS}. "
            + ", ".join(f"{g}: {'passed' if f['passed'] else 'FAILED'}" for g, f in floors.items()) + ".\n")
+    split = [(g, v) for g, v in report["graphs"].items() if v.get("prefill_passes")]
+    if split:
+        md += ("\nThe tree graph also prefills (no prefill graph ships): its prompt passes and its rounds' passes, "
+               "each on their own (the floor's KL holds on both):\n\n" + markdown_table(
+                   [{"graph": g, "passes": kind, "count": p["passes"], "rows": p["rows"],
+                     "top1_agreement": None if p["top1_agreement"] is None else round(p["top1_agreement"], 4),
+                     "kl": None if p["kl"] is None else f"{p['kl']:.2e}"}
+                    for g, v in split for kind, p in (("prompt", v["prefill_passes"]), ("rounds", v["round_passes"]))],
+                   ["graph", "passes", "count", "rows", "top1_agreement", "kl"]))
     md += ("\nFidelity: QDQ graph vs its float graph on onnxruntime CPU (optimisations off), on the reserved "
            "EVAL prompts' answers (never used for calibration), each graph driven as the runtime drives it. "
            "KL = mean KL(float || QDQ) over the keep set. SQNR per layer: sqnr.png.\n")
@@ -1052,10 +1076,11 @@ def summary_md(report: dict[str, Any]) -> str:
            "of tokens whose CPU log-probs are within twice the pass's own difference, top-k log-probs within "
            "the graph's bound, the new K/V rows within its K/V bound (`htp_logprob_bound`, `htp_kv_step_bound` "
            "in io_spec.json, also export's smoke bounds). The bounds: the largest move of the top-k "
-           "log-probs (K/V rows, in grid steps, at least 2) when every element of every op's output is moved by "
-           "an independent random integer up to the HTP's measured worst codes at that tensor, on "
-           "onnxruntime CPU (`evaluate.perturbation_bound`; without a simulator measurement, up to the "
-           "per-op tolerance). A kernel computing wrong numbers, or one activation on a grid twice off, "
+           "log-probs (K/V rows, in grid steps, at least 2) when each op's output moves as the HTP's did: as many "
+           "elements as its measured mean |codes| says, each by its measured worst codes at that tensor, on "
+           "onnxruntime CPU, times the factor in the table (`evaluate.perturbation_bound`; without a simulator "
+           "measurement, every element up to the per-op tolerance). A kernel computing wrong numbers, or one "
+           "activation on a grid twice off, "
            "lands outside them.\n\n")
     md += markdown_table([{"graph": g, "bound_nats": round(b["bound"], 4), "kv_step_bound": b["kv_step_bound"],
                            "basis": b["basis"]} for g, b in report["htp_bounds"].items()],

@@ -13,8 +13,10 @@ position, twice:
   log-probs are within the graph's bound and the new K/V rows it writes are within the graph's
   K/V bound, in steps of their 8-bit grid. The bounds are per graph, from the bundle's io_spec
   (`htp_logprob_bound`, `htp_kv_step_bound`, written by calibrate): how far the graph's
-  top-k log-probs (K/V rows) move when every element of every op's output is moved by up to the
-  HTP's own measured worst codes at that tensor (`evaluate.perturbation_bound`). The HTP and
+  top-k log-probs (K/V rows) move when each op's output is moved as the HTP moved it: as many
+  elements as its measured mean says, each by its measured worst codes at that tensor
+  (`evaluate.perturbation_bound`). The report states each bound over the HTP's own difference and
+  names a graph whose bound sits over `POWER_LIMIT` times it, with the reason. The HTP and
   onnxruntime are two integer implementations of the same 16-bit grids that round differently in
   every op, by a few codes; a kernel that computes wrong numbers (the Log trap: 2 nats; the
   softcap's Tanh) or one activation read on a grid twice off lands outside the bounds. Each pass
@@ -112,7 +114,8 @@ class NoisySessions:
             codes = self.specs[key].meta.get("htp_op_codes")
             path = self.bundle / "reference" / key
             model = onnx.load(str(path), load_external_data=False) if codes else None
-            self.opened[key] = [CodesSession(session_for(perturbed_model(model, d, codes), path.parent, arena=False),
+            rates = self.specs[key].meta.get("htp_op_rates")  # None in a bundle calibrated before them: every element
+            self.opened[key] = [CodesSession(session_for(perturbed_model(model, d, codes, rates), path.parent, arena=False),
                                              self.specs[key]) for d in range(self.draws)] if codes else []
         return self.opened[key]
 
@@ -287,6 +290,9 @@ def smoke(*, bundle: Path, verifier: Path, prompts: int, rounds: int, tolerance:
         htp.close()
     bad_passes = [p for p in log.rows if not log.ok(p)]
     by_role = pass_totals(log, graph_bound)
+    bound_power(by_role, {k.split(".")[0]: next((float(t.quant["scale"]) for t in spec.outputs
+                                                  if t.name.startswith("topk_logprobs") and t.quant), None)
+                          for k, spec in specs.items()})
     low_top1 = below_top1_floor(by_role)  # reported: random-weight families swap top-1 on flat rows honestly
     passed = not bad_passes and all(r["ok"] and r["passes_agree"] for r in results)
     diverged = sum(not r["same_commit"] for r in results)
@@ -449,6 +455,32 @@ def pass_totals(log: PassLog, graph_bound: dict[str, float]) -> dict[str, dict[s
     return by_role
 
 
+# A bound more than this many times the HTP's own difference lets a fault that large pass: the
+# report says per graph where one is, and why.
+POWER_LIMIT = 5.0
+
+
+def bound_power(by_role: dict[str, dict[str, Any]], logprob_steps: dict[str, float | None]) -> None:
+    """Per graph, each bound over the HTP's measured difference on these passes (`*_over_htp`),
+    and where one is over POWER_LIMIT the reason (`power_note`): the HTP matched the CPU to the
+    output grid's resolution (one step of the top-k log-probs' grid, one K/V step), or the
+    perturbation at the HTP's measured codes moved this graph further than the HTP did here."""
+    for role, v in by_role.items():
+        step = logprob_steps.get(role) or 0.0
+        v["bound_over_htp"] = round(v["bound"] / max(v["max_logprob_diff"], step, 1e-9), 2)
+        v["kv_bound_over_htp"] = (round(v["kv_step_bound"] / max(v["max_kv_steps"], 1.0), 2)
+                                  if v.get("kv_step_bound") else None)
+        notes = []
+        for what, ratio, measured, resolution in (("log-prob", v["bound_over_htp"], v["max_logprob_diff"], 2 * step),
+                                                  ("K/V", v["kv_bound_over_htp"], v["max_kv_steps"], 1.0)):
+            if ratio is None or ratio <= POWER_LIMIT:
+                continue
+            notes.append(f"{what} bound {ratio:g}x the HTP's difference: " + (
+                "the HTP matched the CPU to the output grid's resolution on these passes" if measured <= resolution
+                else "the perturbation at the HTP's measured codes moves this graph further than the HTP did here"))
+        v["power_note"] = "; ".join(notes) or None
+
+
 def _max_of(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return round(max(values), 5) if values else None
@@ -466,14 +498,19 @@ def smoke_markdown(report: dict[str, Any], prompts: int, reference_tokens: int) 
     md += markdown_table([{"graph": k, **v} for k, v in report["by_graph"].items()],
                          ["graph", "passes", "rows", "id_mismatches", "tie_swaps", "widest_tie_nats", "top1_equal",
                           "top1_share", "max_logprob_diff", "bound", "max_noise_logprob", "max_pass_bound",
-                          "max_kv_steps", "kv_step_bound", "max_noise_kv_steps"])
+                          "max_kv_steps", "kv_step_bound", "max_noise_kv_steps", "bound_over_htp", "kv_bound_over_htp"])
+    weak = {k: v["power_note"] for k, v in report["by_graph"].items() if v.get("power_note")}
+    md += (f"\nPower: each bound over the HTP's own difference on these passes (bound_over_htp, kv_bound_over_htp); "
+           f"a fault under a bound passes, so a bound over {POWER_LIMIT:g}x is named: "
+           + ("; ".join(f"{k}: {n}" for k, n in weak.items()) if weak else "none is") + ".\n")
     md += ("\nA pass agrees when its top-k ids are equal but for swaps of tokens whose CPU log-probs are within "
            "twice the pass's own HTP-vs-CPU difference (hyco/pass_compare.py: no honest swap crosses a wider gap) "
            "and every log-prob both top-k rows hold, rank by rank and token by token, is within the graph's bound "
            "or twice the pass's own move when perturbed at the HTP's measured codes (max_pass_bound), "
            "and the new K/V rows it writes are within the graph's K/V bound (max_kv_steps, in steps of their "
            "8-bit grid). Both bounds come from calibrate (`htp_logprob_bound`, `htp_kv_step_bound`): how far "
-           "the HTP's own measured per-op differences, at every element at once, move the graph. A top-1 swap beyond a tie is a "
+           "the HTP's own measured per-op differences (as many elements as its mean, each by its worst) move the graph. "
+           "A top-1 swap beyond a tie is a "
            f"mismatch, so every decisive row's top-1 is held equal; top1_share over all rows (under {TOP1_FLOOR:.0%} "
            "flagged in the headline) is reported, since flat rows swap their top-1 within a tie honestly.\n")
     md += (f"\nPrompts: the first {prompts} of the bundle's {len(selection)} evaluation prompts whose reference "

@@ -7,12 +7,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def perturbed_model(model, seed: int, amplitude: dict[str, int]):
-    """`model` with the codes of every QuantizeLinear output named in `amplitude` moved by an
-    independent random integer in [-T, T] (T: its `amplitude`) before each DequantizeLinear that
-    reads them, element by element, seeded per tensor (in graph order).
-    (A shift shared by a whole tensor would be another implementation too, but no kernel rounds
-    every output of a Softmax up by 256 codes: such shifts made a bound too loose to say anything.)"""
+def perturbed_model(model, seed: int, amplitude: dict[str, int], rates: dict[str, float] | None = None):
+    """`model` with the codes of every QuantizeLinear output named in `amplitude` moved before each
+    DequantizeLinear that reads them, element by element, seeded per tensor (in graph order).
+    Without `rates`: each element by an independent random integer in [-T, T] (T: its `amplitude`).
+    With `rates` (the HTP's measured mean codes over its worst, per tensor): each element by +-T
+    with probability `rate`, else not at all, so the noise has the HTP's worst and its mean.
+    (Every element at up to T, where the HTP reaches T on a few, overstated what a trained SLM's
+    HTP does 20-fold. A shift shared by a whole tensor would be another implementation too, but
+    no kernel rounds every output of a Softmax up by 256 codes.)"""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -34,12 +37,25 @@ def perturbed_model(model, seed: int, amplitude: dict[str, int]):
             if y in outputs:  # a graph output: it keeps its name, on the perturbed values
                 dq.output[0], noisy, y = y + "__exact", y, y + "__exact"
             s = float(numpy_helper.to_array(inits[scale]))
-            extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-t - 0.499, high=t + 0.499,
-                                       seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),
-                      helper.make_node("Round", [base + "_u"], [base + "_r"]),
-                      helper.make_node("Mul", [base + "_r", base + "_s"], [base]),
-                      helper.make_node("Add", [y, base], [noisy])]
-            g.initializer.append(numpy_helper.from_array(np.array(s, np.float32), base + "_s"))
+            if rates is None:
+                extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-t - 0.499, high=t + 0.499,
+                                           seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),
+                          helper.make_node("Round", [base + "_u"], [base + "_r"]),
+                          helper.make_node("Mul", [base + "_r", base + "_s"], [base])]
+                g.initializer.append(numpy_helper.from_array(np.array(s, np.float32), base + "_s"))
+            else:  # u in [-1, 1): |u| < rate w.p. rate, and u's sign is the jump's
+                extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-1.0, high=1.0,
+                                           seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),
+                          helper.make_node("Abs", [base + "_u"], [base + "_a"]),
+                          helper.make_node("Less", [base + "_a", base + "_p"], [base + "_hit"]),
+                          helper.make_node("Cast", [base + "_hit"], [base + "_m"], to=onnx.TensorProto.FLOAT),
+                          helper.make_node("Sign", [base + "_u"], [base + "_sign"]),
+                          helper.make_node("Mul", [base + "_sign", base + "_m"], [base + "_r"]),
+                          helper.make_node("Mul", [base + "_r", base + "_s"], [base])]
+                g.initializer.extend([numpy_helper.from_array(np.array(s * t, np.float32), base + "_s"),
+                                  numpy_helper.from_array(np.array(min(1.0, max(0.0, rates[codes])), np.float32),
+                                                          base + "_p")])
+            extra.append(helper.make_node("Add", [y, base], [noisy]))
             for r in readers.get(y, []):
                 for j, x in enumerate(r.input):
                     if x == y:

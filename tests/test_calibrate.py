@@ -362,6 +362,14 @@ def test_stage_outputs(tiny_calibrated):
         assert r["mask_margin"]["max_masked_mass"] < 1e-4
         assert spec.meta["mask_negative"] == r["mask_margin"]["mask_negative"]
         assert 0.0 <= r["top1_agreement"] <= 1.0 and r["kl"] >= 0 and r["rows"] > 0
+        if name == "tree.qdq.onnx":  # tree-only: its prompt passes and its rounds' are also reported apart
+            prompt, rounds = r["prefill_passes"], r["round_passes"]
+            assert prompt["passes"] > 0 and rounds["passes"] > 0 and prompt["rows"] + rounds["rows"] == r["rows"]
+            assert prompt["kl"] >= 0 and r["fidelity_floor"]["prefill_passes_kl"] == prompt["kl"]
+            # the pooled KL is the rows' mean: it lies between the two parts'
+            assert min(prompt["kl"], rounds["kl"]) - 1e-12 <= r["kl"] <= max(prompt["kl"], rounds["kl"]) + 1e-12
+        else:
+            assert "prefill_passes" not in r
         assert r["sqnr_db"] and all(v > 0 for v in r["sqnr_db"].values())
         assert r["htp_encoding_traps"] == [], (name, r["htp_encoding_traps"])
         # the HTP-vs-CPU bounds (also export's smoke bounds): per-op code noise carried through the

@@ -70,6 +70,24 @@ def test_the_floors_message_names_graph_metric_layer_and_tensor():
     assert floor_failure("g", _row(0.5, 25.0)["fidelity_floor"]).startswith("g: below the fidelity floor: KL ")
 
 
+def test_a_tree_only_slm_whose_prompt_passes_cross_the_floor_is_refused_though_its_pooled_kl_holds():
+    """A tree-only SLM's prompt passes are a minority of its rows: pooled with the rounds they can
+    hide. `pass_subset` splits the passes by kind and the floor holds the prompt's KL on its own."""
+    from hyco.calibrate.evaluate import pass_subset
+
+    top1 = [np.array([True, False]), np.array([True, True, True])]
+    kl = [np.array([0.04, 0.02]), np.array([0.001, 0.001, 0.001])]
+    prompt = pass_subset(top1, kl, [0.5, 0.1], [2, 3], [True, False], True)
+    assert prompt == {"passes": 1, "rows": 2, "top1_agreement": 0.5, "kl": pytest.approx(0.03), "topk_logprob_error": 0.5}
+    assert pass_subset(top1, kl, [0.5, 0.1], [2, 3], [True, False], False)["kl"] == pytest.approx(0.001)
+    assert pass_subset(top1, kl, [0.5, 0.1], [2, 3], [False, False], True)["passes"] == 0
+    row = _row(0.0126, 31.0)  # pooled over all five rows: under the floor
+    row["fidelity_floor"].update(prefill_passes_kl=0.03, prefill_kl_ok=False, passed=False)
+    line = proof_failures({"tree.qdq.onnx": row})
+    assert line == "tree.qdq.onnx: below the fidelity floor: KL on its prompt (prefill) passes 0.0300 nats > 0.015 " \
+                   "(worst layer: layer 6 at 31.0 dB)", line
+
+
 @pytest.mark.slow  # a calibration (~1 min)
 def test_calibrate_refuses_a_graph_quantized_on_a_bad_grid(tiny_calibrated, tmp_path):
     """8-bit activations where the graphs need 16: the floor (its defaults) stops the stage, one

@@ -125,6 +125,41 @@ def test_perturbation_bound_is_the_same_on_every_run_and_grows_with_the_toleranc
     assert 0 < tight["bound"] < 0.75 * first["bound"] and tight["amplitude"] == measured, (tight, first)
 
 
+def test_sparse_noise_moves_as_many_elements_as_the_rate_says_each_by_the_measured_worst(tmp_path):
+    """`perturbed_model` with rates: each element of the tensor moves by exactly +-T codes with
+    probability `rate` and stays otherwise, so the noise has the HTP's worst and its mean."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hyco.ort import session_for
+    from hyco.perturb import perturbed_model
+
+    scale = 0.01
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(scale, np.float32), "s"), numpy_helper.from_array(np.array(32768, np.uint16), "z")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [200, 500])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [200, 500])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    x = np.random.default_rng(0).normal(size=(200, 500)).astype(np.float32)
+    exact = session_for(model, tmp_path).run(None, {"x": x})[0]
+    moved = {}
+    for rates in (None, {"q": 0.05}):
+        y = session_for(perturbed_model(model, 3, {"q": 40}, rates), tmp_path).run(None, {"x": x})[0]
+        moved[rates is None] = np.rint((y - exact) / scale).astype(int)
+    sparse, uniform = moved[False], moved[True]
+    assert set(np.unique(sparse)) == {-40, 0, 40}
+    assert 0.045 < (sparse != 0).mean() < 0.055 and abs((sparse > 0).mean() - (sparse < 0).mean()) < 0.01
+    assert np.abs(uniform).max() == 40 and 19 < np.abs(uniform).mean() < 21  # every element, up to T
+    assert np.array_equal(y, session_for(perturbed_model(model, 3, {"q": 40}, {"q": 0.05}), tmp_path).run(None, {"x": x})[0])
+
+
+def test_rates_match_the_htps_mean_and_never_fall_under_the_floor():
+    from hyco.calibrate.evaluate import MEAN_FLOOR, htp_rates
+
+    rates = htp_rates({"a": 100, "b": 1, "c": 4, "d": 50}, {"a": 0.3, "b": 0.0, "c": 9.0, "d": 0.0})
+    assert rates == {"a": 0.003, "b": MEAN_FLOOR, "c": 1.0, "d": MEAN_FLOOR / 50}
+
+
 @pytest.mark.slow
 def test_peaky_undistilled_family_through_calibrate_and_export_with_smoke(tiny_family, tmp_path):
     """An SLM peakier than any fixture tuned on (written here: norms 1 + 0.3 randn, weight and

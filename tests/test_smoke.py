@@ -79,6 +79,26 @@ def test_top1_share_is_reported_per_graph_and_flags_a_graph_under_the_floor():
     assert below_top1_floor(totals) == ["prefill"]
 
 
+def test_a_bound_far_over_the_htps_difference_is_named_with_its_reason():
+    from hyco.export.smoke import POWER_LIMIT, bound_power
+
+    by_role = {"tree": {"bound": 0.3, "max_logprob_diff": 0.1, "kv_step_bound": 12.0, "max_kv_steps": 3.0},
+               "prefill": {"bound": 0.3, "max_logprob_diff": 0.01, "kv_step_bound": 40.0, "max_kv_steps": 4.0},
+               "mtp_step": {"bound": 0.05, "max_logprob_diff": 0.0, "kv_step_bound": None, "max_kv_steps": 0.0}}
+    bound_power(by_role, {"tree": 0.002, "prefill": 0.002, "mtp_step": 0.004})
+    assert by_role["tree"]["bound_over_htp"] == 3.0 and by_role["tree"]["kv_bound_over_htp"] == 4.0
+    assert by_role["tree"]["power_note"] is None  # both within POWER_LIMIT
+    prefill = by_role["prefill"]
+    assert prefill["bound_over_htp"] == 30.0 > POWER_LIMIT and prefill["kv_bound_over_htp"] == 10.0
+    assert prefill["power_note"] == ("log-prob bound 30x the HTP's difference: the perturbation at the HTP's measured "
+                                     "codes moves this graph further than the HTP did here; K/V bound 10x the HTP's "
+                                     "difference: the perturbation at the HTP's measured codes moves this graph "
+                                     "further than the HTP did here")
+    mtp = by_role["mtp_step"]  # the HTP equal to the CPU: measured against one step of the output grid
+    assert mtp["bound_over_htp"] == 12.5 and "to the output grid's resolution" in mtp["power_note"]
+    assert mtp["kv_bound_over_htp"] is None
+
+
 def test_commits_compare_as_streams_and_a_different_length_needs_a_tie():
     from hyco.export.smoke import compare_commits
 
@@ -131,6 +151,10 @@ def test_smoke_runs_every_graph_on_the_simulator_and_commits_what_cpu_commits(sm
     assert all(htp[g]["passes"] > 0 and htp[g]["load_s"] > 0 for g in ("tree", "prefill", "mtp_step"))
     assert report["isolate"] and "own worker process" in report["isolation_note"]
     assert len(report["rounds"]) == 4 and all(r["ok"] and r["stream_agrees"] for r in report["rounds"])
+    for role, v in report["by_graph"].items():  # every bound's power stated, a weak one with its reason
+        assert v["bound_over_htp"] > 0 and (v["power_note"] is None) == (
+            v["bound_over_htp"] <= 5 and (v["kv_bound_over_htp"] or 0) <= 5), (role, v)
+    assert "Power: each bound over the HTP's own difference" in report["summary_md"]
 
 
 @pytest.mark.slow

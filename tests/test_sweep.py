@@ -12,7 +12,10 @@ about +-60 with the softcap off), the softcap off. Each run keeps its artifacts 
   op within tolerance on the simulator), and smoke passes;
 - every other variant either does the same, or calibrate refuses it (the floor's or the
   op-by-op proof's message): no variant leaves calibrate unfaithful by the floor unremarked;
-- no bundle with a graph the HTP computes wrong (an op beyond tolerance) passes smoke.
+- no bundle with a graph the HTP computes wrong (an op beyond tolerance) passes smoke;
+- on a trained variant smoke keeps its power: each graph's log-prob and K/V bounds within
+  `smoke.POWER_LIMIT` (5x) of the HTP's own difference, or at the output grid's resolution, and
+  the K/V bound under 16 steps of the ring's 256.
 Each variant's row (op-by-op worst codes, KL, worst layer, top-1, the fewest codes an SRQ spans,
 bounds, smoke) is printed and
 written beside the runs (sweep.json); the table of the last full run is in the closing note of
@@ -38,7 +41,8 @@ SHAPES = {  # both unlike the fixture (7 layers of 64, 4 heads of 16, a full lay
           "heads": 4, "head_dim": 32, "global_head_dim": 64, "per_layer_input": 32},
 }
 TRAIN_STEPS = 150  # ~2 min here; loss 8.7 -> ~5.6
-TRAINED = {"trained": ("a", 0), "trained-b-seed1": ("b", 1)}  # name: (shape, seed)
+TRAINED = {"trained": ("a", 0, TRAIN_STEPS), "trained-b-seed1": ("b", 1, TRAIN_STEPS),  # name: (shape, seed, steps)
+           "trained-long": ("a", 2, 4 * TRAIN_STEPS)}
 # name: (the trained SLM it starts from, `vary`'s changes, vary's seed[, recipe settings]). CI runs
 # the first five (about 1.5 min each here); HYCO_SWEEP=all runs every one (the closing note's table).
 VARIANTS = {
@@ -48,6 +52,7 @@ VARIANTS = {
     "weights-3x-spread": ("trained", {"weight_gain": 3.0, "norm_spread": 0.3}, 1),
     "confident-4x": ("trained", {"logit_scale": 4.0}, 1),
     "trained-b-seed1": ("trained-b-seed1", {}, 0),
+    "trained-long": ("trained-long", {}, 0),  # 4x the steps: a peakier SLM, the bounds' hardest case so far
     "unconfident-0.25x": ("trained", {"logit_scale": 0.25}, 1),
     "softcap-off": ("trained", {"softcap": None}, 1),
     "logits-8x-softcap-off": ("trained", {"logit_scale": 8.0, "softcap": None}, 1),
@@ -76,9 +81,9 @@ def trained_slms(tiny_family_distilled, tmp_path_factory):
 
     def get(name: str) -> tuple[Path, dict]:
         if name not in made:
-            shape, seed = TRAINED[name]
+            shape, seed, steps = TRAINED[name]
             out = root / name
-            made[name] = out, train_slm(tiny_family_distilled, out, shape=SHAPES[shape], steps=TRAIN_STEPS, seed=seed)
+            made[name] = out, train_slm(tiny_family_distilled, out, shape=SHAPES[shape], steps=steps, seed=seed)
         return made[name]
     return get
 
@@ -126,7 +131,8 @@ def run_variant(family: dict[str, Path], slm: Path, out: Path, shared: Path, ext
     return {"exit": code, "statuses": statuses, "calibrate_proof_failed": calibrate["proof_failed"], "graphs": graphs,
             "smoke_passed": smoke and smoke["passed"],
             "smoke": smoke and {r: {k: v[k] for k in ("top1_share", "max_logprob_diff", "bound", "max_kv_steps",
-                                                      "kv_step_bound")} for r, v in smoke["by_graph"].items()}}
+                                                      "kv_step_bound", "bound_over_htp", "kv_bound_over_htp",
+                                                      "power_note")} for r, v in smoke["by_graph"].items()}}
 
 
 def head_output_ranges(encodings: Path) -> dict[str, list[float]]:
@@ -167,5 +173,9 @@ def test_every_variant_is_faithful_or_refused_and_no_broken_graph_passes_smoke(v
         assert row["smoke_passed"] is False, row
     if variant in TRAINED or EXPECTED.get(variant) == "faithful":
         assert failed is None and row["exit"] == 0 and row["smoke_passed"], row
+    if variant in TRAINED:  # smoke keeps its power: a fault over POWER_LIMIT x the HTP's difference fails
+        for graph, v in row["smoke"].items():
+            assert v["power_note"] is None or "resolution" in v["power_note"], (graph, v)
+            assert v["kv_step_bound"] is None or v["kv_step_bound"] < 16, (graph, v)
     if EXPECTED.get(variant) == "refused, its SRQ named":
         assert failed and "int8 output quantizer (SRQ)" in failed, row
