@@ -17,8 +17,9 @@ Each stage runs as `bench_fullsize.py --stage NAME` in a fresh interpreter (the 
 DIR/bench_report.json and DIR/bench_summary.md, and DIR/logs/<stage>.log. A failed stage stops
 the run; the report says where.
 
-Goals (issue 13; measured, not tested): the whole dry run (fixtures excluded) <= 15 min wall and
-<= 6 GiB peak RSS on the 2-core / 24 GiB development machine; convert alone <= 2 min and 3 GiB.
+Goals (measured, not tested; `GOALS`): the whole dry run (fixtures excluded) on the 2-core / 24
+GiB development machine within 10 min and 6 GiB at E2B shapes, 25 min and 8 GiB at E4B shapes
+(issue 54); convert alone <= 2 min and 3 GiB (issue 13). A run that did not finish holds none.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ PLUMBING = (
 TABLE3 = {"slm_graph": ("SLM NPU graph", "slm"), "mtp_graph": ("MTP graph at W4", "mtp_graph"),
           "mtp_embed_lut": ("MTP embedding LUT (8-bit)", "mtp_lut")}
 BANDWIDTH = 60e9  # bytes/s
-GOALS = {"total_wall_s": 15 * 60, "total_peak_rss_mb": 6 * 1024, "convert_wall_s": 120, "convert_peak_rss_mb": 3 * 1024}
+# Issue 54's targets per recipe (the whole dry run on this 2-core machine); another recipe is held
+# to E2B's. convert's own from issue 13.
+GOALS = {"e2b-shapes": {"total_wall_s": 600, "total_peak_rss_mb": 6 * 1024},
+         "e4b-shapes": {"total_wall_s": 1500, "total_peak_rss_mb": 8 * 1024}}
+CONVERT_GOALS = {"convert_wall_s": 120, "convert_peak_rss_mb": 3 * 1024}
 
 
 # --- one stage, in the child -----------------------------------------------------------------------
@@ -248,7 +253,11 @@ def sizes(run_dir: Path, targets: dict[str, float]) -> dict:
         for row in json.loads(report.read_text())["graphs"]:
             binaries.append({"graph": row["graph"], "binary": row["part"], "binary_bytes": row["binary_bytes"],
                              "weight_bytes": row["weight_bytes"], "compile_s": row["compile_s"]})
-    by_graph = {b["graph"]: b for b in binaries}
+    by_graph: dict[str, dict] = {}  # a graph split into parts: its parts' bytes summed (a pass runs them all)
+    for b in binaries:
+        g = by_graph.setdefault(b["graph"], {"binary_bytes": 0, "weight_bytes": 0})
+        g["binary_bytes"] += b["binary_bytes"]
+        g["weight_bytes"] += b["weight_bytes"]
     ours = {
         "slm_graph": {"what": "convert/tree.onnx weights (INT4/INT8 initializers)",
                       "bytes": graph_weight_bytes(convert / "tree.onnx"),
@@ -327,8 +336,8 @@ def summary_md(report: dict) -> str:
         f = report["fixtures"]
         md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")
         md.append("")
-    md += ["## Goals (issue 13)", ""]
-    md += [f"- {g['goal']}: {g['figure']} -> {'met' if g['met'] else 'NOT met'}" for g in report["goals"]]
+    md += ["## Goals (issue 54; convert's from issue 13)", ""]
+    md += [f"- {g['goal']}: {g['figure']} -> {said(g['met'])}" for g in report["goals"]]
     s = report["sizes"]
     md += ["", "## Sizes vs the paper's Table 3", "",
            markdown_table([{"item": r["item"], "paper": mb(r["paper_bytes"]), "ours": r["ours"], "bytes": mb(r["bytes"]),
@@ -377,21 +386,29 @@ def print_table(report: dict) -> None:
 
         print("\nDevice footprint (bundle.json, read from the binaries):\n" + footprint_markdown(report["sizes"]["device_footprint"]))
     for g in report["goals"]:
-        print(f"  goal {g['goal']}: {g['figure']} -> {'met' if g['met'] else 'NOT met'}")
+        print(f"  goal {g['goal']}: {g['figure']} -> {said(g['met'])}")
 
 
-def goals(stages: list[dict], total: dict, all_ran: bool) -> list[dict]:
+def goals(stages: list[dict], total: dict, all_ran: bool, recipe_name: str) -> list[dict]:
+    """The targets against the figures; `met` None where the run did not finish (nothing to hold)."""
     conv = next((s for s in stages if s["stage"] == "convert"), None)
-    out = [{"goal": "whole dry run <= 15 min wall", "figure": f"{total['wall_s']:.0f} s",
-            "met": all_ran and total["wall_s"] <= GOALS["total_wall_s"]},
-           {"goal": "whole dry run <= 6 GiB peak RSS", "figure": f"{total['peak_rss_mb']:.0f} MiB",
-            "met": all_ran and total["peak_rss_mb"] <= GOALS["total_peak_rss_mb"]}]
+    target = GOALS.get(recipe_name, GOALS["e2b-shapes"])
+    wall, rss = target["total_wall_s"], target["total_peak_rss_mb"]
+    out = [{"goal": f"whole dry run <= {wall / 60:g} min wall", "figure": f"{total['wall_s']:.0f} s",
+            "met": total["wall_s"] <= wall if all_ran else None},
+           {"goal": f"whole dry run <= {rss / 1024:g} GiB peak RSS", "figure": f"{total['peak_rss_mb']:.0f} MiB",
+            "met": total["peak_rss_mb"] <= rss if all_ran else None}]
     if conv is not None:
+        ok = conv["status"] == "ok"
         out += [{"goal": "convert <= 2 min wall", "figure": f"{conv['wall_s']:.0f} s",
-                 "met": conv["status"] == "ok" and conv["wall_s"] <= GOALS["convert_wall_s"]},
+                 "met": conv["wall_s"] <= CONVERT_GOALS["convert_wall_s"] if ok else None},
                 {"goal": "convert <= 3 GiB peak RSS", "figure": f"{conv['peak_rss_mb']:.0f} MiB",
-                 "met": conv["status"] == "ok" and conv["peak_rss_mb"] <= GOALS["convert_peak_rss_mb"]}]
+                 "met": conv["peak_rss_mb"] <= CONVERT_GOALS["convert_peak_rss_mb"] if ok else None}]
     return out
+
+
+def said(met: bool | None) -> str:
+    return "not measured (the run did not finish)" if met is None else "met" if met else "NOT met"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -483,7 +500,7 @@ def main() -> int:
     from hyco.recipe import load_recipe
 
     report["sizes"] = sizes(run_dir, load_recipe(recipe, sets).export.footprint_targets)
-    report["goals"] = goals(ran, report["totals"], all_ok and set(stages) == set(STAGES))
+    report["goals"] = goals(ran, report["totals"], all_ok, load_recipe(recipe, sets).name)
     from hyco.artifacts import write_json
 
     write_json(out / "bench_report.json", report)

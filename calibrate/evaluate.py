@@ -211,6 +211,7 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     names = [o.name for o in model.graph.output if o.name.startswith("topk_logprobs")] + kv
     inputs = {i.name for i in exact.get_inputs()}
     clean = [exact.run(names, {k: v for k, v in f.items() if k in inputs}) for f in feeds]
+    exact = None  # one session of the graph at a time: at E4B size each holds GBs
     codes = {tap.codes: op_tolerance(tap) for tap in activation_taps(model)}
     rates = None
     if amplitude is not None:  # a tensor measured at 0 codes still gets one: the noise is a bound's, not a replay
@@ -218,6 +219,7 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
         rates = htp_rates(codes, mean_codes) if mean_codes is not None else None
     worst = worst_kv = 0.0
     for d in range(draws):
+        noisy = None  # the last draw's session goes before the next one opens
         noisy = session_for(perturbed_model(model, seed + d, codes, rates), Path(graph).parent, arena=False)
         for f, c in zip(feeds, clean, strict=True):
             got = noisy.run(names, {k: v for k, v in f.items() if k in inputs})

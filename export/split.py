@@ -62,8 +62,20 @@ def _bytes(t) -> int:
     return int(np.prod(t.dims, dtype=np.int64)) * size
 
 
-def plan_parts(model, limit: int) -> list[tuple[int, int]]:
-    """Inclusive layer ranges, packed greedily so each part's initializer bytes stay <= limit."""
+def plan_parts(model, limit: int, at_least: int = 1) -> list[tuple[int, int]]:
+    """Inclusive layer ranges, packed greedily so each part's initializer bytes stay <= limit; with
+    `at_least` > 1, under the smallest limit that packs them into that many parts or fewer (parts
+    compiled side by side finish together when their bytes are even)."""
+    if at_least > 1:
+        low, high = 1, limit  # the greedy packing's part count falls as the limit grows
+        while low < high:
+            mid = (low + high) // 2
+            try:
+                fits = len(plan_parts(model, mid)) <= at_least
+            except HycoError:  # a layer over `mid`
+                fits = False
+            low, high = (low, mid) if fits else (mid + 1, high)
+        limit = low
     layers = node_layers(model)
     sizes = {t.name: _bytes(t) for t in model.graph.initializer}
     per_layer: dict[int, int] = {}
@@ -114,19 +126,24 @@ def _spec(model, names: list[str], graph: str, meaning: str, known: dict[str, Te
     return tuple(out)
 
 
-def split_graph(graph: Path, out_dir: Path, limit: int, spec: GraphSpec | None = None) -> list[tuple[Path, GraphSpec]]:
-    """Write `graph`'s parts into `out_dir`; returns (part graph, part I/O spec) in run order.
+def split_graph(graph: Path, out_dir: Path, limit: int, spec: GraphSpec | None = None,
+                at_least: int = 1) -> list[tuple[Path, GraphSpec]]:
+    """Write `graph`'s parts (`at_least` of them where the layers allow, `plan_parts`) into
+    `out_dir`; returns (part graph, part I/O spec) in run order.
 
     Only tensors computed by a layer cross a boundary; what hangs off the graph inputs alone
     (their Q/DQ, the per-layer-input slicing) is recomputed in every part that needs it."""
     import onnx
+    from onnx.external_data_helper import load_external_data_for_model
     from onnx.utils import Extractor
 
-    model = onnx.shape_inference.infer_shapes(onnx.load(str(graph)))
+    # weightless: each part reads its own weights just before it is written, so the split holds
+    # one part's weights at a time, not the whole graph's (9 GiB at E4B shapes)
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(graph), load_external_data=False))
     nodes = list(model.graph.node)
     layers = node_layers(model)
     try:
-        ranges = plan_parts(model, limit)
+        ranges = plan_parts(model, limit, at_least)
     except HycoError as e:
         raise HycoError(f"{graph}: {e}") from None
     part_of = [next(p for p, (a, b) in enumerate(ranges) if a <= layer <= b) for layer in layers]
@@ -157,6 +174,7 @@ def split_graph(graph: Path, out_dir: Path, limit: int, spec: GraphSpec | None =
         _requantize_inputs(part, model, nodes, producer, needs[p])
         name = f"{graph.name.split('.')[0]}.part{p}.onnx"
         path = out_dir / name
+        load_external_data_for_model(part, str(graph.parent))
         onnx.save_model(part, str(path), save_as_external_data=True, location=name + ".data")
         known = {t.name: t for t in (*spec.inputs, *spec.outputs)} if spec is not None else {}
         part_spec = GraphSpec(name, _spec(model, [i.name for i in part.graph.input], name, "part input", known),

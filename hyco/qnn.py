@@ -205,10 +205,19 @@ def compile_isolated(graph: Path, out_dir: Path, name: str, *, soc_model: int, o
     its session is gone (E2B-shaped tree: GBs still resident after its compile); each compile's
     memory goes with its process. Its peak, plus this process's RSS, counts in this process's
     peak figure; errors come back as raised in the child."""
+    return compile_in_processes([(graph, name)], out_dir, soc_model=soc_model, optimization_level=optimization_level)[0]
+
+
+def compile_in_processes(graphs: list[tuple[Path, str]], out_dir: Path, *, soc_model: int, optimization_level: int = 0,
+                         at_once: int = 1) -> list[Compiled]:
+    """Each (graph, name) through `compile_context`, each in a fresh process, `at_once` of them
+    side by side: the QNN compiler is single-threaded, and a fresh process writes the same bytes
+    whatever ran beside it."""
     from hyco.workers import in_processes
 
-    return in_processes(compile_context, [(graph, out_dir, name, soc_model, optimization_level)],
-                        f"{graph}: compiling it")[0]
+    return in_processes(compile_context, [(g, out_dir, name, soc_model, optimization_level) for g, name in graphs],
+                        f"{graphs[0][0]}: compiling it" + (f" and {len(graphs) - 1} more" if len(graphs) > 1 else ""),
+                        at_once=at_once)
 
 
 def open_context(context: Path, *, soc_model: int):

@@ -287,6 +287,16 @@ class ExportConfig:
     # cannot load it, so no smoke run here and bundle.json marks it unverified)
     slm_graphs: Literal["tree-only", "separate", "shared"] = "tree-only"
     max_context_bytes: int = 2 * 1024**3  # a graph with more weight bytes is split by layer ranges
+    # The SLM's graphs split into at least this many layer-range parts (each its own context, chained
+    # on the phone), so their single-threaded QNN compiles run side by side and each compile's
+    # memory is a share of the whole graph's. 1: split only over max_context_bytes. (The offline
+    # compile here; `export --hub` compiles each graph whole on qai-hub's machines.)
+    compile_parts: int = 1
+    # Compiles at once: 0 = one per core; either way no more than fit together in compile_memory_gb
+    # (null: this machine's memory), each compile estimated from its graph's weight bytes
+    # (`export.stage.COMPILE_BYTES_PER_WEIGHT_BYTE`). A run's bytes do not depend on it
+    compile_workers: int = 0
+    compile_memory_gb: float | None = None
     # The most one HTP session may hold: the phone loads the SLM's graphs and the MTP step into one
     # process, whose contexts share one session, and sessions fail to load around 3.5-4 GB. A bundle
     # whose contexts together exceed it is refused, naming them, before anything is moved into place
@@ -337,6 +347,11 @@ class ExportConfig:
         _require(0 < self.max_context_bytes <= self.max_session_bytes,
                  f"export.max_context_bytes must be > 0 and <= export.max_session_bytes ({self.max_session_bytes}: "
                  f"a part split to it must still load), but got {self.max_context_bytes}")
+        _require(self.compile_memory_gb is None or self.compile_memory_gb > 0,
+                 f"export.compile_memory_gb must be > 0 or null, but got {self.compile_memory_gb}")
+        _require(self.compile_parts >= 1 and self.compile_workers >= 0,
+                 f"export.compile_parts must be >= 1 and export.compile_workers >= 0 (0: as the machine allows), "
+                 f"but got {self.compile_parts} and {self.compile_workers}")
         _require(self.smoke_prompts >= 0 and self.smoke_rounds >= 1,
                  f"export.smoke_prompts must be >= 0 and export.smoke_rounds >= 1, but got {self.smoke_prompts} "
                  f"and {self.smoke_rounds}")

@@ -28,23 +28,26 @@ def cpu_threads() -> int:
     return _threads
 
 
-def in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], what: str) -> list[Any]:
-    """[fn(*job) for job in jobs], each job in a process of its own, all at once. An exception
-    raised in a worker is raised here as it was; a worker that dies (out of memory, killed)
-    raises HycoError naming `what`."""
+def in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], what: str, at_once: int | None = None) -> list[Any]:
+    """[fn(*job) for job in jobs], each job in a fresh process of its own, `at_once` of them at a
+    time (default all). An exception raised in a worker is raised here as it was; a worker that
+    dies (out of memory, killed) raises HycoError naming `what`."""
     from hyco.artifacts import note_child_peak, rss_mb
 
     parent = rss_mb()  # with the RSS after them below: this process's part of the peak while they ran
     spawn = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // len(jobs))
-    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=spawn, initializer=_worker_init,
-                                                initargs=(threads,)) as pool:
+    at_once = max(1, min(at_once or len(jobs), len(jobs)))
+    threads = max(1, (os.cpu_count() or 1) // at_once)
+    # one job per process: a process's second QNN compile writes other bytes than a fresh one's
+    with concurrent.futures.ProcessPoolExecutor(at_once, mp_context=spawn, initializer=_worker_init,
+                                                initargs=(threads,), max_tasks_per_child=1) as pool:
         futures = [pool.submit(_measured, fn, job) for job in jobs]
         try:
             done = [f.result() for f in futures]
         except concurrent.futures.process.BrokenProcessPool:
             raise HycoError(f"{what}: a worker process died (out of memory?)") from None
-    note_child_peak(sum(peak for _, peak in done), parent)
+    # the workers' peaks summed over the `at_once` largest: at most that many ran together
+    note_child_peak(sum(sorted((peak for _, peak in done), reverse=True)[:at_once]), parent)
     return [result for result, _ in done]
 
 

@@ -305,6 +305,83 @@ def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
         check_binary_io(binary_info(compiled.binary), spec, str(compiled.binary), "part spec")
 
 
+@pytest.mark.slow
+def test_parts_compiled_side_by_side_are_the_bytes_compiled_one_at_a_time(tiny_calibrated, tmp_path):
+    """export.compile_parts 2: the tree graph in two balanced layer-range parts; compiled two at
+    once (each in a fresh process) they are the binaries compiled one after the other: the same
+    size and graph I/O, and the same bytes but a few. (QNN's compile of the part holding the head
+    is not reproducible by itself: two fresh processes one after the other wrote 192 of 479,232
+    bytes differently, in pairs; the other part was byte for byte equal every time.)"""
+    from hyco.export.split import split_graph
+
+    from hyco.artifacts import sha256_file
+    from hyco.bundle import weight_bytes
+    from hyco.io_spec import read_io_spec
+    from hyco.qnn import compile_in_processes
+
+    graph = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
+    parts = split_graph(graph, tmp_path / "parts", 2 * 1024**3, read_io_spec(graph.parent / "io_spec.json")[graph.name],
+                        at_least=2)
+    assert len(parts) == 2
+    sizes = [weight_bytes(p) for p, _ in parts]
+    assert max(sizes) < 0.75 * sum(sizes), sizes  # balanced, not one layer and the rest
+    jobs = [(p, f"tree_part{i}") for i, (p, _) in enumerate(parts)]
+    together = compile_in_processes(jobs, tmp_path / "together", soc_model=87, at_once=2)
+    alone = compile_in_processes(jobs, tmp_path / "alone", soc_model=87, at_once=1)
+    from hyco.qnn_system import binary_info
+
+    for a, b in zip(together, alone, strict=True):
+        x, y = np.fromfile(a.binary, np.uint8), np.fromfile(b.binary, np.uint8)
+        assert a.binary.name == b.binary.name and x.size == y.size, a.binary.name
+        assert binary_info(a.binary)["graphs"] == binary_info(b.binary)["graphs"], a.binary.name
+        assert (x != y).sum() <= x.size // 1000, (a.binary.name, int((x != y).sum()))
+    assert sha256_file(together[0].binary) == sha256_file(alone[0].binary)  # the first part: every byte
+
+
+@pytest.mark.slow
+def test_a_bundle_of_split_slm_graphs_smokes_through_its_chained_parts(tiny_export_distilled, tiny_family_distilled,
+                                                                      tmp_path):
+    """export.compile_parts 2 on both SLM graphs: each ships as two contexts, compiled side by side,
+    chained on the simulator by smoke, which passes within calibrate's bounds; the footprint counts
+    every part once."""
+    from hyco.export.stage import export
+
+    from hyco.bundle import verify_bundle
+
+    run, _ = tiny_export_distilled
+    out = tmp_path / "export"
+    export(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat", vocab=run / "vocab", out=out,
+           tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],
+           config=ExportConfig(smoke_prompts=1, smoke_rounds=2, slm_graphs="separate", compile_parts=2))
+    meta = verify_bundle(out / "bundle")
+    for role in ("tree", "prefill"):
+        assert [p["binary"] for p in meta["graphs"][role]["parts"]] == [f"{role}.part{i}_ctx_qnn.bin" for i in (0, 1)]
+    assert len(meta["graphs"]["mtp_step"]["parts"]) == 1
+    blobs = meta["footprint"]["resident_per_context"]
+    assert len(blobs) == 5 and meta["footprint"]["npu_resident_total"] == sum(blobs.values())
+    report = json.loads((out / "report.json").read_text())
+    assert report["smoke"]["passed"], report["smoke"]
+    assert {"tree", "prefill", "mtp_step"} <= set(json.loads((out / "smoke" / "report.json").read_text())["by_graph"])
+
+
+def test_compiles_side_by_side_only_where_they_fit_in_memory():
+    from hyco.export.stage import COMPILE_BYTES_PER_WEIGHT_BYTE, compile_workers
+
+    from hyco.recipe import ExportConfig
+
+    gib = 1024**3
+    weights = [int(gib / COMPILE_BYTES_PER_WEIGHT_BYTE)] * 4  # each compile ~1 GiB
+    assert compile_workers(ExportConfig(compile_workers=4, compile_memory_gb=4.5), weights) == 4
+    assert compile_workers(ExportConfig(compile_workers=4, compile_memory_gb=2.5), weights) == 2
+    assert compile_workers(ExportConfig(compile_workers=4, compile_memory_gb=0.5), weights) == 1  # one, whatever it needs
+    assert compile_workers(ExportConfig(compile_workers=8, compile_memory_gb=100), weights) == 4  # no more than the jobs
+    assert compile_workers(ExportConfig(compile_workers=2, compile_memory_gb=100), [gib, 1]) == 2
+    # the largest first: a big part beside a small one must fit as a pair
+    assert compile_workers(ExportConfig(compile_workers=2, compile_memory_gb=6.0), [gib, 1]) == 1
+    with pytest.raises(ValueError, match="export.compile_parts must be >= 1"):
+        ExportConfig(compile_parts=0)
+
+
 # the qai-hub path (--hub) is tested in tests/test_hub.py
 
 
