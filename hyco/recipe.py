@@ -296,7 +296,7 @@ class ExportConfig:
     # (null: this machine's memory), each compile estimated from its graph's weight bytes
     # (`export.stage.COMPILE_BYTES_PER_WEIGHT_BYTE`). A run's bytes do not depend on it
     compile_workers: int = 0
-    compile_memory_gb: float | None = None
+    compile_memory_gb: float | None = None  # what the side-by-side compiles may hold together (null: this machine's memory)
     # The most one HTP session may hold: the phone loads the SLM's graphs and the MTP step into one
     # process, whose contexts share one session, and sessions fail to load around 3.5-4 GB. A bundle
     # whose contexts together exceed it is refused, naming them, before anything is moved into place
