@@ -307,7 +307,11 @@ def summary_md(report: dict) -> str:
              "bytes_written": mb(s["bytes"]), "files": s["files"], "load_avg_after": s["load_avg_after"]}
             for s in report["stages"]]
     t = report["totals"]
+    verdict = ("; ".join(f"{g['goal']}: {g['figure']} -> {said(g['met'])}" for g in report["goals"])
+               if t["all_passed"] else f"stopped at {(report.get('failure') or {}).get('stage')}, no goal measured")
     md = [f"# Full-size dry run: {report['family']}",
+          "",
+          f"**{t['wall_s']} s, peak {t['peak_rss_mb']:.0f} MiB.** {verdict}.",
           "",
           f"Recipe {report['recipe']} with the bench's plumbing overrides (few QAT steps and calibration prompts, "
           "no HTP simulator runs or smoke, convert parity off; bit-exactness always checked). Machine: "

@@ -99,6 +99,7 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
         # markdown_table writes floats as .4g
         assert row.split(" | ")[1:5] == ["ok", f"{s['wall_s']:.4g}", f"{s['cpu_s']:.4g}", str(round(s["peak_rss_mb"]))], row
     assert "## Sizes vs the paper's Table 3" in md and "Context binaries:" in md and "Weight bytes per pass" in md
+    assert md.splitlines()[2].startswith(f"**{report['totals']['wall_s']} s, peak ") and "whole dry run <= 10 min" in md.splitlines()[2]
 
 
 def test_bench_stops_at_a_failing_stage_and_says_where(tiny_family, tmp_path):
@@ -111,6 +112,7 @@ def test_bench_stops_at_a_failing_stage_and_says_where(tiny_family, tmp_path):
     assert report["stages"][0]["status"] == "FAILED" and not report["totals"]["all_passed"]
     assert report["failure"]["stage"] == "convert" and "no-such-slm" in report["failure"]["log_tail"]
     assert "**Stopped at convert**" in (tmp_path / "bench_summary.md").read_text()
+    assert "stopped at convert, no goal measured" in (tmp_path / "bench_summary.md").read_text().splitlines()[2]
     # a run that stopped holds no goal: "not measured", never "NOT met"
     assert report["goals"] and all(g["met"] is None for g in report["goals"]), report["goals"]
     assert "NOT met" not in done.stdout and "not measured (the run did not finish)" in done.stdout
