@@ -200,31 +200,34 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     import onnx
     from hyco.calibrate.htp import activation_taps, op_tolerance
 
+    from hyco.int4_matmul import shared_repacks
     from hyco.ort import session_for
     from hyco.pass_compare import steps_apart
     from hyco.perturb import perturbed_model
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # (session_for rewrites the model it is given)
-    exact = session_for(copy, Path(graph).parent, arena=False)
-    kv = sorted(kv_outputs or {})
-    names = [o.name for o in model.graph.output if o.name.startswith("topk_logprobs")] + kv
-    inputs = {i.name for i in exact.get_inputs()}
-    clean = [exact.run(names, {k: v for k, v in f.items() if k in inputs}) for f in feeds]
-    exact = None  # one session of the graph at a time: at E4B size each holds GBs
     codes = {tap.codes: op_tolerance(tap) for tap in activation_taps(model)}
     rates = None
     if amplitude is not None:  # a tensor measured at 0 codes still gets one: the noise is a bound's, not a replay
         codes = {name: max(1, amplitude.get(name, t)) for name, t in codes.items()}
         rates = htp_rates(codes, mean_codes) if mean_codes is not None else None
+    kv = sorted(kv_outputs or {})
+    names = [o.name for o in model.graph.output if o.name.startswith("topk_logprobs")] + kv
     worst = worst_kv = 0.0
-    for d in range(draws):
-        noisy = None  # the last draw's session goes before the next one opens
-        noisy = session_for(perturbed_model(model, seed + d, codes, rates), Path(graph).parent, arena=False)
-        for f, c in zip(feeds, clean, strict=True):
-            got = noisy.run(names, {k: v for k, v in f.items() if k in inputs})
-            worst = max(worst, float(np.abs(got[0].astype(np.float64) - c[0]).max()))
-            worst_kv = max([worst_kv] + [steps_apart(a, b, kv_outputs[n]) for n, a, b in zip(kv, got[1:], c[1:], strict=True)])
+    # the exact and the noisy session read one repack of the INT4 weights (11 s of an E2B tree
+    # session's 15), and one session at a time: at E4B size each holds GBs
+    with shared_repacks(Path(graph).parent):
+        exact = session_for(copy, Path(graph).parent, arena=False)
+        inputs = {i.name for i in exact.get_inputs()}
+        clean = [exact.run(names, {k: v for k, v in f.items() if k in inputs}) for f in feeds]
+        exact = None
+        noisy = session_for(perturbed_model(model, seed, codes, rates), Path(graph).parent, arena=False)
+        for _ in range(draws):  # each run draws afresh: onnxruntime's seeded random kernels advance run by run
+            for f, c in zip(feeds, clean, strict=True):
+                got = noisy.run(names, {k: v for k, v in f.items() if k in inputs})
+                worst = max(worst, float(np.abs(got[0].astype(np.float64) - c[0]).max()))
+                worst_kv = max([worst_kv] + [steps_apart(a, b, kv_outputs[n]) for n, a, b in zip(kv, got[1:], c[1:], strict=True)])
     factor = BOUND_FACTOR if rates is None else SPARSE_BOUND_FACTOR
     return {"bound": factor * worst, "perturbed_max": worst, "factor": factor, "passes": len(feeds),
             "draws": draws, "seed": seed, "amplitude": "op_tolerance" if amplitude is None else codes,

@@ -395,13 +395,16 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
         del slm  # its two float sessions hold both graphs' weights (one graph in memory at a time)
         gc.collect()  # the driver's hook on its own _run is a reference cycle: GBs until a collection
     result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}
-    with phase(f"{' + '.join(graphs)}: prepare, mask statistics (a process each)"):
+    # the input grids (a pass over every LUT row, one core) need nothing from the preparation:
+    # computed here while the workers prepare
+    with phase(f"{' + '.join(graphs)}: prepare, mask statistics (a process each), beside the input grids from the "
+               "LUTs and rotary tables"), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grids") as pool:
+        grids_side = pool.submit(input_grids, convert, {t.name for spec in (inputs["convert_specs"][n] for n in graphs.values())
+                                                        for t in spec.inputs})
         measured = dict(zip(graphs, in_processes(
             prepare_and_measure, [(convert, g, tmp, *recorded[g], config) for g in graphs],
             "calibrate: preparing the SLM graphs"), strict=True))
-    with phase("input grids from the LUTs and rotary tables"):
-        grids = input_grids(convert, {t.name for spec in (inputs["convert_specs"][n] for n in graphs.values())
-                                      for t in spec.inputs})
+        grids = grids_side.result()
     result["input_grids"] = {k: {"scale": s, "zero_point": z} for k, (s, z) in grids.items()}
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows
     both = MaskStats({f"{g}:{k}": v for g, m in measured.items() for k, v in m["mask_stats"].layers.items()})

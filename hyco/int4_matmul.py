@@ -50,10 +50,15 @@ def shared_repacks(*sources: Path) -> Iterator[Path]:
     identity, offset and length, and how it is repacked) is written there once and every later
     session points at those bytes. Graphs elsewhere (read once) keep a folder of their own, so the
     shared one holds only what is read again. The folder goes when the block ends; a nested
-    block uses the outer one's."""
+    block uses the outer one's, its own sources added while it lasts."""
     global _shared
     if _shared is not None:
-        yield _shared["folder"]
+        added = {Path(p).resolve() for p in sources} - _shared["sources"]
+        _shared["sources"] |= added
+        try:
+            yield _shared["folder"]
+        finally:
+            _shared["sources"] -= added
         return
     folder = Path(tempfile.mkdtemp(prefix="hyco-int4-shared-"))
     _shared = {"folder": folder, "index": {}, "sources": {Path(p).resolve() for p in sources}}

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# Under it a rate takes the short form: (-c, c) with c = 0.5 / (1 - rate) < 1.5 rounds to -1, 0 or 1 only
+SHORT_FORM_RATES = 2 / 3
+
 
 def perturbed_model(model, seed: int, amplitude: dict[str, int], rates: dict[str, float] | None = None):
     """`model` with the codes of every QuantizeLinear output named in `amplitude` moved before each
@@ -43,6 +46,15 @@ def perturbed_model(model, seed: int, amplitude: dict[str, int], rates: dict[str
                           helper.make_node("Round", [base + "_u"], [base + "_r"]),
                           helper.make_node("Mul", [base + "_r", base + "_s"], [base])]
                 g.initializer.append(numpy_helper.from_array(np.array(s, np.float32), base + "_s"))
+            elif rates[codes] < SHORT_FORM_RATES:
+                # v uniform in (-c, c) rounds to +-1 where |v| >= 0.5, i.e. w.p. 1 - 0.5 / c = rate,
+                # else to 0: the noise below in 4 ops, not 8 (a noisy E2B tree pass took 3.4 s)
+                c = 0.5 / (1.0 - max(0.0, rates[codes]))
+                extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-c, high=c,
+                                           seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),
+                          helper.make_node("Round", [base + "_u"], [base + "_r"]),
+                          helper.make_node("Mul", [base + "_r", base + "_s"], [base])]
+                g.initializer.append(numpy_helper.from_array(np.array(s * t, np.float32), base + "_s"))
             else:  # u in [-1, 1): |u| < rate w.p. rate, and u's sign is the jump's
                 extra += [helper.make_node("RandomUniformLike", [y], [base + "_u"], low=-1.0, high=1.0,
                                            seed=float(seed * 100_003 + k), dtype=onnx.TensorProto.FLOAT),

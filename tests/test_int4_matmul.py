@@ -254,6 +254,31 @@ def test_shared_repacks_repack_each_weight_once_and_change_no_output(tmp_path, m
         np.testing.assert_array_equal(out, alone)
 
 
+def test_a_nested_block_shares_its_own_folder_s_repacks_while_it_lasts(tmp_path, monkeypatch):
+    """calibrate's stage block shares convert's weights; the HTP bound's nested block over the
+    deployed graph's folder adds that folder: its sessions repack once, and after the nested
+    block a session there repacks again (into a folder of its own)."""
+    from hyco import int4_matmul
+    from hyco.ort import ort_session
+
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    path, _, _ = weight_graph(inner, 40, 64, [1, 3], False, seed=7)
+    x = np.random.default_rng(3).standard_normal((1, 3, 64)).astype(np.float32)
+    calls = []
+    real = int4_matmul.matmul_nbits_weight
+    monkeypatch.setattr(int4_matmul, "matmul_nbits_weight", lambda *a: calls.append(a[1]) or real(*a))
+    with int4_matmul.shared_repacks(tmp_path / "outer") as outer:
+        with int4_matmul.shared_repacks(inner) as folder:
+            assert folder == outer
+            outs = [ort_session(path).run(None, {"x": x})[0] for _ in range(2)]
+        assert len(calls) == 1
+        outs.append(ort_session(path).run(None, {"x": x})[0])
+        assert len(calls) == 2  # no longer a shared source
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
 def test_shared_repacks_see_a_rewritten_weights_file(tmp_path):
     """A weights file rewritten in place inside the block (same path, new integers) is read
     again, not served from the first repack."""
