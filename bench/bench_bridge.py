@@ -30,20 +30,20 @@ from pathlib import Path
 
 import torch
 
-from hyco.answers import text_stats
-from hyco.artifacts import write_json
-from hyco.chat import iter_conversations
+from hyco.base.files import write_json
+from hyco.config.recipe import CheckConfig
+from hyco.data.answers import text_stats
+from hyco.data.chat import iter_conversations
+from hyco.data.splits import is_evaluation
 from hyco.fixtures.cache import cached_family, cross_options
 from hyco.fixtures.cross_family import write_cross_family_verifier
 from hyco.fixtures.shipped import copy_shipped
-from hyco.recipe import CheckConfig
 from hyco.runtime.bridge import TokenBridge
 from hyco.runtime.configs import decode_config
 from hyco.runtime.decode import decode_bridged, verifier_alone
 from hyco.runtime.drafters import SlmTorch, TreeDrafter
 from hyco.runtime.inputs import load_model
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
-from hyco.splits import is_evaluation
 
 CONFIGS = ("specedge", "specedge-eps")
 

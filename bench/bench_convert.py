@@ -133,7 +133,7 @@ def child(checkpoint: Path, out: Path) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from hyco.recipe import ConvertConfig
+    from hyco.config.recipe import ConvertConfig
 
     sampler = PhaseSampler()
     load.load_model = sampler.phase("load (from_pretrained)", load.load_model)

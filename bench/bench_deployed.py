@@ -8,7 +8,7 @@ DIR: a calibrate stage's folder (its deployable `*.qdq.onnx` graphs and `io_spec
 full-size dry run's at E2B shapes (`bench/bench_fullsize.py ... --stages vocab,answers,convert,qat,calibrate`).
 Executors: `onnxruntime` (CPU, optimisations off: SRQ rounding depends on summation order; the
 reference), `onnxruntime+opt` (timing only: not the numerics check holds), `torch:cpu` and
-`torch:cuda` (hyco/qdq_torch.py, `check.deployed_executor: torch`; on CUDA one pass is a replayed
+`torch:cuda` (hyco/quant/qdq_torch.py, `check.deployed_executor: torch`; on CUDA one pass is a replayed
 CUDA graph). Each graph runs `passes` times on example feeds of its io_spec shapes; the median
 pass is kept, outputs copied back to the host.
 
@@ -56,12 +56,12 @@ def example_feeds(spec, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def open_graph(path: Path, executor: str, shared: dict):
     """A session as check opens it: onnxruntime CPU (optimisations off, or on for timing only), or
-    the torch executor (hyco/qdq_torch.py) on a device, a CUDA graph replayed on a GPU."""
+    the torch executor (hyco/quant/qdq_torch.py) on a device, a CUDA graph replayed on a GPU."""
     if executor.startswith("onnxruntime"):
-        from hyco.ort import ort_session
+        from hyco.qnn.ort import ort_session
 
         return ort_session(path, optimize=executor.endswith("+opt"))
-    from hyco.qdq_torch import TorchGraph
+    from hyco.quant.qdq_torch import TorchGraph
 
     device = executor.split(":", 1)[1]
     return TorchGraph(path, device=device, shared=shared, cuda_graph=device.startswith("cuda"))
@@ -108,7 +108,7 @@ def project(ms: dict[str, float], prefill_rows: int, max_prompt: int, prompt_tok
 
 
 def main() -> None:
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", type=Path, required=True, help="a calibrate stage's folder")

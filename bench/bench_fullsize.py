@@ -63,10 +63,10 @@ CONVERT_GOALS = {"convert_wall_s": 120, "convert_peak_rss_mb": 3 * 1024}
 def run_one(stage: str, recipe_path: Path, run_dir: Path, overrides: list[str]) -> None:
     import logging
 
-    from hyco.artifacts import run_stage
-    from hyco.console import TerminalStream
-    from hyco.recipe import load_recipe
-    from hyco.stages import load_stage, stage_dir, stage_section
+    from hyco.base.console import TerminalStream
+    from hyco.config.recipe import load_recipe
+    from hyco.pipeline.artifacts import run_stage
+    from hyco.pipeline.stages import load_stage, stage_dir, stage_section
 
     # each phase's wall time and peak RSS so far, as it ends (also in the stage's report.json)
     phases = logging.getLogger("hyco.phases")
@@ -159,7 +159,7 @@ def speed_probe() -> dict[str, float]:
 def speed_probe_in_child(out: Path) -> dict[str, float]:
     """`speed_probe` in a process of its own: its 2 GiB of arrays must not raise this process's
     peak RSS, which every stage's figure would then carry (subprocess starts children with vfork,
-    and exec keeps the larger of the old and new peak, hyco.artifacts.peak_rss_mb: vocab read
+    and exec keeps the larger of the old and new peak, hyco.pipeline.artifacts.peak_rss_mb: vocab read
     2,275 MiB, its own peak 969)."""
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--speed-probe"],
                           capture_output=True, text=True, check=True)
@@ -195,7 +195,7 @@ def base_recipe(explicit: Path | None) -> Path:
 
 def recipe_preset(recipe: Path) -> str:
     """The fixtures preset the recipe names (e2b-shapes, e4b-shapes), so the family has its shapes."""
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     fixtures = load_recipe(recipe).fixtures
     return fixtures.preset if fixtures is not None else "e2b-shapes"
@@ -216,7 +216,7 @@ def recipe_overrides(family: Path, run_dir: Path, stages: tuple[str, ...], vocab
 def graph_weight_bytes(graph: Path) -> int | None:
     if not graph.is_file():
         return None
-    from hyco.bundle import weight_bytes
+    from hyco.qnn.bundle import weight_bytes
 
     return weight_bytes(graph)
 
@@ -228,7 +228,7 @@ def file_size(path: Path) -> int | None:
 def int2_note(encodings: Path, paper: float, export_report: Path | None = None) -> str | None:
     """The SLM graph's integer weights with its 2-bit weights counted at 2 bits (`two_bit_cost`),
     and how export shipped them where it ran (its report's footprint)."""
-    from hyco.bundle import two_bit_cost
+    from hyco.qnn.bundle import two_bit_cost
 
     shipped = None
     if export_report is not None and export_report.is_file():
@@ -300,7 +300,7 @@ def mb(b) -> str:
 
 
 def summary_md(report: dict) -> str:
-    from hyco.artifacts import markdown_table
+    from hyco.pipeline.artifacts import markdown_table
 
     rows = [{"stage": s["stage"], "status": s["status"], "wall_s": s["wall_s"], "cpu_s": s.get("cpu_s", "-"),
              "peak_rss_mib": round(s["peak_rss_mb"]),
@@ -359,7 +359,7 @@ def summary_md(report: dict) -> str:
                markdown_table([{**r, "weight_bytes": mb(r["weight_bytes"]), "binary_bytes": mb(r["binary_bytes"])}
                                for r in s["weight_bytes_per_pass"]], list(s["weight_bytes_per_pass"][0]))]
     if s.get("device_footprint"):
-        from hyco.bundle import footprint_markdown
+        from hyco.qnn.bundle import footprint_markdown
 
         md += ["", "## The device footprint (bundle.json, read from the binaries)", "",
                footprint_markdown(s["device_footprint"])]
@@ -386,7 +386,7 @@ def print_table(report: dict) -> None:
     for r in report["sizes"]["weight_bytes_per_pass"]:
         print(f"  {r['graph']:<8} weights/pass {mb(r['weight_bytes']):>10} -> floor {r['floor_ms_at_60GBps']} ms at 60 GB/s")
     if report["sizes"].get("device_footprint"):
-        from hyco.bundle import footprint_markdown
+        from hyco.qnn.bundle import footprint_markdown
 
         print("\nDevice footprint (bundle.json, read from the binaries):\n" + footprint_markdown(report["sizes"]["device_footprint"]))
     for g in report["goals"]:
@@ -470,7 +470,7 @@ def main() -> int:
     if args.family is None:
         preset = recipe_preset(recipe)
         print(f"[fixtures] writing the {preset} family into {family} (outside the totals) ...", flush=True)
-        cmd = [sys.executable, "-m", "hyco.cli", "fixtures", "--preset", preset, "--out", str(family)]
+        cmd = [sys.executable, "-m", "hyco.pipeline.cli", "fixtures", "--preset", preset, "--out", str(family)]
         m = measure(cmd, logs / "fixtures.log")
         report["fixtures"] = {**m, "bytes": folder_bytes(family)[0]}
         if m["rc"] != 0:
@@ -497,15 +497,15 @@ def main() -> int:
                         "bytes": sum(s["bytes"] for s in ran), "all_passed": all_ok}
     # what every stage's wait4 figure includes at least (see speed_probe_in_child): this process's
     # own high-water mark (VmHWM; its ru_maxrss also carries its own parent's), read before sizes()
-    from hyco.artifacts import peak_rss_mb
+    from hyco.base.memory import peak_rss_mb
 
     report["machine"]["bench_process_peak_rss_mb"] = round(peak_rss_mb(), 1)
     report["machine"]["speed_end"] = speed_probe_in_child(out)
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     report["sizes"] = sizes(run_dir, load_recipe(recipe, sets).export.footprint_targets)
     report["goals"] = goals(ran, report["totals"], all_ok, load_recipe(recipe, sets).name)
-    from hyco.artifacts import write_json
+    from hyco.base.files import write_json
 
     write_json(out / "bench_report.json", report)
     (out / "bench_summary.md").write_text(summary_md(report))

@@ -7,7 +7,7 @@ compiled for the HTP at each block size, against the same ints in INT4 container
 A shape is K x N (inputs x outputs): E2B's 2-bit weights are the MLPs of its 20 KV-shared layers,
 gate/up 1,536 -> 12,288 and down 12,288 -> 1,536, and the keep-set head (K 1,536). Block 0 is one
 block spanning all of K. Each case: 33 rows of 16-bit activations times random ints in [-2, 1]
-with one scale per output channel (repeated in every block, as `hyco.int2_blocks` writes them),
+with one scale per output channel (repeated in every block, as `hyco.quant.int2_blocks` writes them),
 compiled with onnxruntime-qnn (prepare only), then run once on the HTP (the x86 simulator here),
 each in a fresh process (HTP results leak between sessions in one process). Figures per case:
 the context binary's bytes, against the ints at 2 bits (K N / 4); the largest difference from a
@@ -30,7 +30,8 @@ BLOCKS = (16, 32, 64, 128, 256, 0)
 
 def one_case(k: int, n: int, encoding: str, block: int, soc_model: int) -> dict:
     """(A worker's job.) One layer compiled and run on the HTP."""
-    from hyco.int2_blocks import MatMulCase, compile_and_run, matmul_graph
+    from hyco.qnn.contexts import compile_and_run
+    from hyco.qnn.int2_probe import MatMulCase, matmul_graph
 
     case = MatMulCase.draw(k, n)
     model = matmul_graph(case.weights, case.scales, encoding, block, case.x_scale, case.y_scale)
@@ -62,7 +63,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     sys.path.insert(0, str(ROOT))
-    from hyco.workers import in_processes
+    from hyco.base.workers import in_processes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--soc-model", type=int, default=87)

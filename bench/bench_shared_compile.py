@@ -37,7 +37,7 @@ STAMP = re.compile(r"^(?:\x1b\[[0-9;]*m)?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6})
 
 def compile_one(mode: str, calibrate: Path, out: Path, soc_model: int, level: int) -> None:
     """In the child: the compile of `mode` with onnxruntime's log at verbose, on stderr."""
-    from hyco import qnn
+    from hyco.qnn import contexts as qnn
 
     quiet = qnn.session_options
 

@@ -16,8 +16,8 @@ Both with the real 262,144-token vocabulary.
 For each depth it writes the stand-in (random BF16 weights, hyco/fixtures/fullsize.py; every
 second layer full, so each depth has both kinds) and runs each phase in a fresh interpreter, its
 peak RSS the child's `ru_maxrss` (os.wait4): `load` (the checkpoint into memory), `answers`
-(greedy answers to the prompts, `hyco.answers.generate_answers`), `capture` (qat's capture over
-prompt + answer, `hyco.captures.capture_answers`). The load is inside every phase's figure and
+(greedy answers to the prompts, `hyco.data.answers.generate_answers`), `capture` (qat's capture over
+prompt + answer, `hyco.npu.captures.capture_answers`). The load is inside every phase's figure and
 also reported alone.
 
 Each figure is fitted as a + b x layers over the depths run by least squares (a: embedding,
@@ -90,11 +90,11 @@ def prompt_records() -> list[dict]:
 def run_phase(phase: str, verifier: Path, work: Path, prompts: int, new_tokens: int) -> dict:
     """One phase in this (child) process; its own figures, printed as JSON by the caller."""
     import torch
+    from hyco.answers.generate import generate_answers
 
-    from hyco.answers import generate_answers
-    from hyco.captures import capture_answers
-    from hyco.loading import load_tokenizer, load_verifier
-    from hyco.recipe import PlacementConfig
+    from hyco.base.loading import load_tokenizer, load_verifier
+    from hyco.config.recipe import PlacementConfig
+    from hyco.npu.captures import capture_answers
 
     start = time.perf_counter()
     model = load_verifier(verifier, PlacementConfig(dtype="bfloat16"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hyco.vocab.stage import build_vocab
 
-from hyco.recipe import DatasetConfig, VocabConfig
+from hyco.config.recipe import DatasetConfig, VocabConfig
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ step() {  # step NAME SECONDS COMMAND...
 step "cuda tests" 110 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" \
   tests/test_server_timing.py tests/test_qdq_torch.py tests/test_bench_server.py -k "cuda or replayed or static_pass or stand_in or summary"
 
-step "check on the GPU" 170 python3 -m hyco.cli check --recipe recipes/tiny.yaml --run-dir .gpu/run --out /tmp/check --force
+step "check on the GPU" 170 python3 -m hyco.pipeline.cli check --recipe recipes/tiny.yaml --run-dir .gpu/run --out /tmp/check --force
 cp /tmp/check/report.json "$OUT/check_report.json" 2>/dev/null
 cp /tmp/check/summary.md "$OUT/check_summary.md" 2>/dev/null
 python3 - <<'PY' || true

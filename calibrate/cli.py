@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hyco.cli import NOT_GIVEN, stage_command
-from hyco.recipe import (
+from hyco.config.recipe import (
     SLM_GRAPHS,
     TWO_BIT_WEIGHTS,
     CalibrateConfig,
@@ -15,6 +14,7 @@ from hyco.recipe import (
     ships_prefill,
     to_dict,
 )
+from hyco.pipeline.cli import NOT_GIVEN, stage_command
 
 # the export keys the deployable graphs follow (how the 2-bit weights ship): flags here too
 EXPORT_FLAGS = {"two_bit_weights": {"choices": TWO_BIT_WEIGHTS}, "int2_block_size": {"type": int},
@@ -45,9 +45,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_calibrate(args: argparse.Namespace, paths: dict, calibrate: CalibrateConfig) -> int:
     from hyco.calibrate.stage import calibrate as build
 
-    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
-    from hyco.int2_blocks import export_keys
-    from hyco.recipe import section_config
+    from hyco.config.recipe import section_config
+    from hyco.pipeline.artifacts import run_stage, stage_state, warn_if_proof_failed
+    from hyco.qnn.int2_probe import export_keys
 
     out, inputs = paths.pop("out"), paths
     allow = args.allow_parity_failure

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from hyco.host import SHORT
-from hyco.io_spec import Role, role_of
+from hyco.npu.host import SHORT
+from hyco.npu.io_spec import Role, role_of
 
 
 def cpu_session(path: Path, providers=("CPUExecutionProvider",)):
-    """`hyco.ort.ort_session` without the CPU memory arena: with it, a session keeps the
+    """`hyco.qnn.ort.ort_session` without the CPU memory arena: with it, a session keeps the
     high-water mark of every pass and grows further pass after pass; the outputs are the same
     (allocation only)."""
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     return ort_session(path, arena=False, providers=providers)
 
@@ -201,7 +201,7 @@ def mtp_bursts(session, spec, lut, captures, *, steps: int, positions_per_captur
                rng: np.random.Generator, mask_negative: float | None = None) -> list[list[tuple[dict, dict]]]:
     """Bursts of `steps` MTP steps at drafting positions sampled from each capture. Returns per
     burst the (feeds, outputs) of each step."""
-    from hyco.handoff import StepInput
+    from hyco.npu.handoff import StepInput
     from hyco.runtime.mtp import rope_rows, step_feeds
 
     negative = spec.meta["mask_negative"] if mask_negative is None else mask_negative

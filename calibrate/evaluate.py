@@ -188,7 +188,7 @@ def topk_logprob_error(ref_logprobs: np.ndarray, q_logprobs: np.ndarray, k: int)
 def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, seed: int = 0,
                        amplitude: dict[str, int] | None = None, kv_outputs: dict[str, float] | None = None,
                        mean_codes: dict[str, float] | None = None) -> dict:
-    """How far independent per-element code noise at every op (`hyco.perturb.perturbed_model`:
+    """How far independent per-element code noise at every op (`hyco.quant.perturb.perturbed_model`:
     `amplitude` codes per tensor, the HTP's measured worst there, each element moved by it as
     often as the HTP's measured `mean_codes` say (`htp_rates`); else `htp.op_tolerance` at every
     element) moves the graph's sorted top-k log-probs and its new K/V rows, on onnxruntime CPU:
@@ -200,10 +200,10 @@ def perturbation_bound(graph: Path, model, feeds: list[dict], draws: int = 2, se
     import onnx
     from hyco.calibrate.htp import activation_taps, op_tolerance
 
-    from hyco.int4_matmul import shared_repacks
-    from hyco.ort import session_for
-    from hyco.pass_compare import steps_apart
-    from hyco.perturb import perturbed_model
+    from hyco.qnn.ort import session_for
+    from hyco.quant.int4_matmul import shared_repacks
+    from hyco.quant.pass_compare import steps_apart
+    from hyco.quant.perturb import perturbed_model
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # (session_for rewrites the model it is given)
@@ -416,7 +416,7 @@ def run_all(convert: Path, qat: Path | None, out: Path, inputs: dict, config, sl
             mtp_negative: float | None, tmp: Path, phase=None) -> dict[str, Any]:
     """`phase`: the stage's `artifacts.Phases` (default: a log of its own). `qat` None: the SLM's
     graphs only."""
-    from hyco.artifacts import Phases
+    from hyco.pipeline.artifacts import Phases
 
     phase = phase or Phases("calibrate")
     slm = run_slm(convert, out, inputs, config, slm_negative, tmp, phase)
@@ -428,14 +428,14 @@ def run_all(convert: Path, qat: Path | None, out: Path, inputs: dict, config, sl
 
 
 def plot_sqnr(per_graph: dict[str, dict], path: Path) -> None:
-    from hyco.plots import save
+    from hyco.pipeline.plots import save
 
     save(sqnr_figure(per_graph), path)
 
 
 def sqnr_figure(per_graph: dict[str, dict]):
     """Each graph's per-layer output SQNR (QDQ against float) with the fidelity floor it must clear."""
-    from hyco.plots import HIGHER, better, legend_outside, new_figure, number
+    from hyco.pipeline.plots import HIGHER, better, legend_outside, new_figure, number
 
     fig = new_figure(8, 3.6)
     ax = fig.subplots()

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hyco.grids import clamp_to_grid
+from hyco.quant.grids import clamp_to_grid
 
 SOC_MODEL = "87"  # SM8850 / Hexagon v81
 
@@ -38,7 +38,7 @@ def htp_session(path: Path, soc_model: str = SOC_MODEL):
     one session builder (plugin-EP registration, SoC table), so both stages open graphs alike."""
     import onnxruntime as ort
 
-    from hyco.qnn import session_options
+    from hyco.qnn.contexts import session_options
 
     return ort.InferenceSession(str(path), session_options(int(soc_model)))
 
@@ -65,7 +65,7 @@ def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] |
     `evaluate.perturbation_bound`, from the HTP's own per-op differences."""
     import time
 
-    from hyco.pass_compare import PassLog
+    from hyco.quant.pass_compare import PassLog
 
     passes = sorted({k.split("/", 1)[0] for k in data.files})
     names = [o.name for o in htp.get_outputs()]
@@ -73,7 +73,7 @@ def compare_passes(htp, cpu, data, bound: float | None, grids: dict[str, dict] |
     sim_s = 0.0
     for p in passes:
         feeds = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(p + "/")}
-        # as the host feeds the phone: float inputs clamped to their grids (`hyco.grids`)
+        # as the host feeds the phone: float inputs clamped to their grids (`hyco.quant.grids`)
         feeds = {k: clamp_to_grid(v, (grids or {}).get(k)) if v.dtype == np.float32 else v for k, v in feeds.items()}
         start = time.perf_counter()
         h = htp.run(names, feeds)
@@ -194,7 +194,7 @@ def compare_ops(graph: Path, model, htp_session_of, feeds: list[dict]) -> dict:
 
     from onnx import numpy_helper
 
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     taps = activation_taps(model)
     inits = {t.name: t for t in model.graph.initializer}
@@ -249,7 +249,7 @@ def _check(graph: Path, feeds_path: Path | None, out: Path, options: dict) -> No
     import onnx
     from hyco.calibrate.quantize import boundary_qparams
 
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     model = onnx.load(str(graph), load_external_data=False)
     total = len(model.graph.node)

@@ -17,7 +17,7 @@ import onnx
 from hyco.calibrate.lookups import QuantizerLookups
 from onnx import TensorProto, helper, numpy_helper
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 
 PROVEN = ((1, 32), (1, 33))  # onnxruntime >= 1.32, < 1.33: what the patches were proven on
 
@@ -76,7 +76,7 @@ def _patches(weights: Path, int4_matmul: bool, check: bool) -> list[tuple[Any, s
     import onnxruntime.quantization.qdq_quantizer as qdq_quantizer
     from onnxruntime.quantization.quant_utils import add_infer_metadata, generate_identified_filename
 
-    from hyco.ort import session_for
+    from hyco.qnn.ort import session_for
 
     def load_weightless(model_path: Path) -> onnx.ModelProto:  # quant_utils.load_model_with_shape_infer
         inferred = generate_identified_filename(Path(model_path), "-inferred")
@@ -179,7 +179,7 @@ def int_extremes(ints: onnx.TensorProto, axis: int | None) -> tuple[np.ndarray, 
     tables (unpacking E2B's INT4 weights to int8 cost seconds of each graph's calibration)."""
     from hyco.calibrate.prepare import _int_array
 
-    from hyco.int4 import INT4_HIGH, INT4_LOW
+    from hyco.formats.int4 import INT4_HIGH, INT4_LOW
 
     if ints.data_type == TensorProto.INT4 and len(ints.dims) == 2 and ints.dims[0] % 2 == 0 and ints.dims[1] % 2 == 0:
         b = np.frombuffer(ints.raw_data, np.uint8).reshape(ints.dims[0], ints.dims[1] // 2)
@@ -205,7 +205,7 @@ def constant_weight_taps(model: onnx.ModelProto, folder: Path) -> int:
     the same every pass, so it is computed once here, exactly: DequantizeLinear is (q - z) * s in
     float32, monotonic in q for each channel's s, so each channel's extremes are the products at
     its extreme codes. The weights are read from `folder` one at a time; the model stays weightless."""
-    from hyco.onnx_graph import loaded
+    from hyco.quant.onnx_graph import loaded
 
     graph = model.graph
     inits = {t.name: t for t in model.graph.initializer}

@@ -42,10 +42,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from hyco.errors import HycoError
-from hyco.io_spec import Role, role_of
-from hyco.onnx_graph import consumers as graph_consumers
-from hyco.onnx_graph import loaded
+from hyco.base.errors import HycoError
+from hyco.npu.io_spec import Role, role_of
+from hyco.quant.onnx_graph import consumers as graph_consumers
+from hyco.quant.onnx_graph import loaded
 
 FOLD_MAX_ELEMENTS = 4096  # fold constant subgraphs up to this size (shapes, small tables; never weights)
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -64,11 +64,11 @@ def _unique(graph: onnx.GraphProto, base: str) -> str:
 def _int_array(t: onnx.TensorProto) -> np.ndarray:
     """Integer initializer -> int8 numpy (INT4 / INT2 unpacked), raw data loaded."""
     if t.data_type == TensorProto.INT4:
-        from hyco.int4 import unpack_int4
+        from hyco.formats.int4 import unpack_int4
 
         return unpack_int4(t.raw_data, int(np.prod(t.dims))).reshape(tuple(t.dims))
     if t.data_type == TensorProto.INT2:
-        from hyco.int2_blocks import unpack_int2
+        from hyco.quant.int2_blocks import unpack_int2
 
         return unpack_int2(t.raw_data, int(np.prod(t.dims))).reshape(tuple(t.dims))
     return numpy_helper.to_array(t)
@@ -76,7 +76,7 @@ def _int_array(t: onnx.TensorProto) -> np.ndarray:
 
 def _int_tensor(name: str, values: np.ndarray, data_type: int) -> onnx.TensorProto:
     if data_type == TensorProto.INT4:
-        from hyco.int4 import pack_int4
+        from hyco.formats.int4 import pack_int4
 
         return helper.make_tensor(name, TensorProto.INT4, values.shape, pack_int4(values), raw=True)
     return numpy_helper.from_array(values, name)
@@ -85,7 +85,7 @@ def _int_tensor(name: str, values: np.ndarray, data_type: int) -> onnx.TensorPro
 def _transposed_ints(name: str, t: onnx.TensorProto) -> onnx.TensorProto:
     """A 2-D integer initializer's transpose (INT4: nibble by nibble, never unpacked)."""
     if t.data_type == TensorProto.INT4:
-        from hyco.int4 import transpose_int4
+        from hyco.formats.int4 import transpose_int4
 
         rows, cols = t.dims
         return helper.make_tensor(name, TensorProto.INT4, [cols, rows], transpose_int4(t.raw_data, (rows, cols)), raw=True)

@@ -26,7 +26,7 @@ import onnx
 from hyco.calibrate.ort_patches import lean_quantizer
 from onnx import TensorProto, helper, numpy_helper
 
-from hyco.onnx_graph import consumers as graph_consumers
+from hyco.quant.onnx_graph import consumers as graph_consumers
 
 
 class FeedReader:
@@ -123,7 +123,7 @@ def quantize_graph(prepared: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     """ORT QDQ quantization of `prepared` (a model file with external data) into `out`. `lean`:
     through `ort_patches.lean_quantizer` (False: onnxruntime's own code paths, for the test that holds the
     two to the same graph); `int4_matmul`: its calibration session multiplies INT4 weights packed
-    (`hyco.int4_matmul`; False: as onnxruntime's own session does, bit for bit); `check_lookups`:
+    (`hyco.quant.int4_matmul`; False: as onnxruntime's own session does, bit for bit); `check_lookups`:
     each indexed lookup is also compared with onnxruntime's scan (tests)."""
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
@@ -180,11 +180,11 @@ def concat_holds_its_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
       trained at a shape unlike the fixture's, where the CPU and a small graph of the same encodings
       agreed to one code: the requantizing kernel is wrong in some graph context, not on a range.
     - inputs on different grids (rotary's rotate-half, a mirrored Neg beside its input): a grid
-      that holds them all (`hyco.grids.uint16_grid` over their union and its own). A calibrated
+      that holds them all (`hyco.quant.grids.uint16_grid` over their union and its own). A calibrated
       output grid holds only the values seen, so the CPU clipped input values (a K/V ring's, whose
       grid reaches beyond the calibration passes' rings) that the HTP, requantizing each input its
       own way, did not."""
-    from hyco.grids import grid_range, uint16_grid
+    from hyco.quant.grids import grid_range, uint16_grid
 
     m, inits, producer, consumers = _graph_maps(model)
     for node in m.graph.node:
@@ -387,7 +387,7 @@ def encodings(model: onnx.ModelProto, weight_bits: dict[str, int]) -> dict:
     """AIMET encodings (1.0.0 layout) of a QDQ graph: every QuantizeLinear's tensor as an
     activation encoding, every integer weight DequantizeLinear as a per-channel param encoding
     (bw = the checkpoint's width; container_bw the type that holds it: 2-bit ints in INT2 blocks
-    or INT4 containers, `hyco.int2_blocks`)."""
+    or INT4 containers, `hyco.quant.int2_blocks`)."""
     inits = _inits(model)
     acts, params, seen = [], [], set()
     for node in model.graph.node:
@@ -410,7 +410,7 @@ CONTAINER_BITS = {TensorProto.INT2: 2, TensorProto.INT4: 4, TensorProto.UINT4: 4
 
 
 def _param_encoding(node, inits: dict, weight_bits: dict[str, int]) -> dict:
-    """A weight DequantizeLinear's per-channel encoding. An INT2-block weight (`hyco.int2_blocks`)
+    """A weight DequantizeLinear's per-channel encoding. An INT2-block weight (`hyco.quant.int2_blocks`)
     carries its channel's scale in every block: written once per channel, with its block size."""
     ints = inits[node.input[0]]
     axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
@@ -436,7 +436,7 @@ def _weight_refs(model: onnx.ModelProto) -> dict[str, tuple[onnx.TensorProto, on
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
         blocked = any(a.name == "block_size" and a.i for a in node.attribute)
-        # blocks run along K (`hyco.int2_blocks`): the channels are the other axis of a 2-D weight
+        # blocks run along K (`hyco.quant.int2_blocks`): the channels are the other axis of a 2-D weight
         channel = 1 - axis if blocked else axis
         out[node.input[0].removesuffix("_t")] = (ints_t, inits[node.input[1]], channel, axis if blocked else None)
     return out
@@ -477,7 +477,7 @@ def _same_packed_int4(a: onnx.TensorProto, a_axis: int, b: onnx.TensorProto, b_a
     one transposed first where their layouts differ (convert's [N, K] vs the deployable [K, N]);
     None where that does not apply. Unpacking both E2B graphs' 2 G weights to int8 and comparing
     transposed views is much slower."""
-    from hyco.int4 import transpose_int4
+    from hyco.formats.int4 import transpose_int4
 
     if a.data_type != TensorProto.INT4 or b.data_type != TensorProto.INT4 or len(a.dims) != 2 or len(b.dims) != 2:
         return None
@@ -494,7 +494,7 @@ def weights_bitexact(source: onnx.ModelProto, quantized: onnx.ModelProto, folder
     """Every source weight's ints and scales equal in the QDQ graph (bit for bit). One weight
     read and unpacked at a time (all of them unpacked at once is twice each graph's INT4 bytes);
     `folders`: where each model's weights on disk are (`prepare.load_graph`)."""
-    from hyco.onnx_graph import loaded
+    from hyco.quant.onnx_graph import loaded
 
     a, b = _weight_refs(source), _weight_refs(quantized)
     rows = {}

@@ -14,7 +14,7 @@ deployable graph (no logits output, uint8 KV boundary) and a parity twin -> fide
 reserved eval prompts (CPU EP; also each graph's top-k log-prob error, the HTP bound) -> HTP
 acceptance and simulator-vs-CPU within that bound, each graph in its own process (htp.py).
 Prepare and mask statistics run for tree and prefill side by side, a worker process each
-(hyco/workers.py: their graph rewriting is single-threaded Python); quantizing runs one graph at
+(hyco/base/workers.py: their graph rewriting is single-threaded Python); quantizing runs one graph at
 a time (two side by side doubled the peak at E2B size).
 """
 
@@ -32,14 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from hyco import verdict
-from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, read_json, write_json
-from hyco.errors import HycoError
-from hyco.heap import return_large_blocks
-from hyco.int2_blocks import TwoBitDecision, decide, export_keys
-from hyco.io_spec import Role, role_of
-from hyco.pass_compare import kv_grid_steps
-from hyco.recipe import CalibrateConfig, ExportConfig, Recipe, ships_prefill, to_dict
+from hyco.base.errors import HycoError
+from hyco.base.files import write_json
+from hyco.base.loading import read_json
+from hyco.base.memory import return_large_blocks
+from hyco.config.recipe import CalibrateConfig, ExportConfig, Recipe, ships_prefill, to_dict
+from hyco.npu.io_spec import Role, role_of
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import Phases, StageEnd, finish_stage, markdown_table
+from hyco.qnn.int2_probe import TwoBitDecision, decide, export_keys
+from hyco.quant.pass_compare import kv_grid_steps
 
 SLM_GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
 MTP_GRAPH = "mtp_step.onnx"
@@ -71,9 +73,9 @@ def check_inputs(convert: Path, qat: Path | None, vocab: Path, answers: Path) ->
     """Every file the stage reads, checked before anything is written: present, one keep set,
     one tokenizer family. Returns the parsed pieces. `qat` None: no MTP Drafter (a recipe without
     qat, e.g. the token bridge's), the SLM graphs only."""
-    from hyco.answers import ANSWERS, read_answers
-    from hyco.io_spec import read_io_spec
-    from hyco.keepset import load_keep_set
+    from hyco.data.answers import ANSWERS, read_answers
+    from hyco.data.keepset import load_keep_set
+    from hyco.npu.io_spec import read_io_spec
 
     convert, vocab, answers_dir = Path(convert), Path(vocab), Path(answers)
     qat = None if qat is None else Path(qat)
@@ -111,12 +113,12 @@ def check_inputs(convert: Path, qat: Path | None, vocab: Path, answers: Path) ->
         if int(step_meta.get("keep_size", -1)) != len(keep_ids):
             raise HycoError(f"{qat / 'io_spec.json'}: {MTP_GRAPH} drafts over {step_meta.get('keep_size')} tokens, but "
                             f"{vocab / 'keep_set.json'} keeps {len(keep_ids)}")
-        from hyco.embed_lut import EMBED_LUT, EmbedLut
+        from hyco.npu.embed_lut import EMBED_LUT, EmbedLut
 
         lut = EmbedLut.load(_need(qat / EMBED_LUT, "qat embed_lut"))
         if not np.array_equal(np.asarray(lut.keep_to_vocab, dtype=np.int64), keep_ids):
             raise HycoError(f"{qat / EMBED_LUT}: tensor 'keep_to_vocab' is not the keep set of {vocab / 'keep_set.json'}")
-    from hyco.host import EmbeddingLut
+    from hyco.npu.host import EmbeddingLut
 
     embed = EmbeddingLut.open(_need(convert / "luts" / "embed_tokens.safetensors", "convert LUT"))
     vocab_rows = embed.packed.shape[0]
@@ -143,7 +145,7 @@ def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateCo
     lists (`drive.lockstep`). `graphs`: the SLM graphs the phone runs (tree alone: it prefills)."""
     from hyco.calibrate.drive import lockstep, slm_driver
 
-    from hyco.console import progress
+    from hyco.base.console import progress
 
     rng = np.random.default_rng(config.seed)
     slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i),
@@ -179,7 +181,7 @@ def extra_output_session(model, names: list[str], folder: Path, tag: str, weight
         if n not in have:
             m.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
     if weights is not None:
-        from hyco.ort import session_for
+        from hyco.qnn.ort import session_for
 
         return session_for(m, weights, arena=False)
     path = folder / f"{tag}.onnx"
@@ -383,7 +385,7 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     write its deployable graph (`deployable`), one graph at a time."""
     from hyco.calibrate.masks import MaskStats, choose_mask
 
-    from hyco.workers import in_processes
+    from hyco.base.workers import in_processes
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
     graphs = inputs["slm_graphs"]  # tree alone (export.slm_graphs tree-only): calibrated on its prefill passes too
@@ -434,11 +436,11 @@ def moved_copies(graph, name: str) -> list[str]:
 
 def input_grids(convert: Path, names: set[str]) -> dict[str, tuple[float, int]]:
     """uint16 grids of the SLM graphs' inputs whose range is known by construction, holding all
-    of it (`hyco.grids`: the HTP wraps an input beyond its grid): LUT rows over every token of
+    of it (`hyco.quant.grids`: the HTP wraps an input beyond its grid): LUT rows over every token of
     each table, rotary cos / sin over [-1, 1]. A calibrated range held only the tokens and
     positions the calibration passes fed."""
-    from hyco.grids import uint16_grid
-    from hyco.host import EmbeddingLut
+    from hyco.npu.host import EmbeddingLut
+    from hyco.quant.grids import uint16_grid
 
     ranges = {n: (-1.0, 1.0) for n in names if role_of(n) is Role.ROPE}
     for name, lut in (("embeds", "embed_tokens"), ("per_layer_embeds", "embed_tokens_per_layer")):
@@ -505,7 +507,7 @@ def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negativ
     (no logits output on the SLM graphs, uint8 KV boundary, the 2-bit weights as `two_bit` says:
     INT2 blocks or INT4 containers; the weights streamed into its file), with its proofs: integer
     weights bit-exact against `source` (and each INT2-block weight read back against its INT4
-    container, `hyco.int2_blocks`), no encoding an HTP kernel computes wrong; and its AIMET
+    container, `hyco.quant.int2_blocks`), no encoding an HTP kernel computes wrong; and its AIMET
     encodings and io_spec."""
     from hyco.calibrate.prepare import drop_outputs, load_graph, save_streamed
     from hyco.calibrate.quantize import (
@@ -534,10 +536,10 @@ def deployable(g: str, parity: Path, source: Path, out: Path, base_spec, negativ
 
 
 def two_bit_blocks(model, g: str, folder: Path, weight_bits: dict[str, int], two_bit: TwoBitDecision) -> dict | None:
-    """The SLM graph's 2-bit weights as `two_bit` ships them (`hyco.int2_blocks.to_int2_blocks`, in
+    """The SLM graph's 2-bit weights as `two_bit` ships them (`hyco.quant.int2_blocks.to_int2_blocks`, in
     place; its proof raises ProofFailed): what was rewritten and why, for io_spec and the report.
     None for the MTP step graph (no 2-bit weights)."""
-    from hyco.int2_blocks import to_int2_blocks, two_bit_names
+    from hyco.quant.int2_blocks import to_int2_blocks, two_bit_names
 
     if g == "mtp":
         return None
@@ -551,7 +553,7 @@ def two_bit_blocks(model, g: str, folder: Path, weight_bits: dict[str, int], two
 
 
 def mtp_captures(qat: Path, split: str):
-    from hyco.captures import CaptureSet
+    from hyco.npu.captures import CaptureSet
 
     folder = qat / "captures"
     meta = read_json(_need(folder / "captures.json", "qat captures"), "captures.json")
@@ -609,15 +611,15 @@ def calibrate(*, convert: Path, qat: Path | None, vocab: Path, answers: Path, ou
     proof (`proof_failures`) raises ProofFailed after the reports are written (into run_stage's
     temp folder, so nothing moves into place) unless `allow_parity_failure`. `qat` None: the SLM's
     two graphs only (no MTP Drafter on the phone). `two_bit_weights`: the export section's keys
-    that say how the 2-bit weights ship (`hyco.int2_blocks.export_keys`; None: its defaults): the
+    that say how the 2-bit weights ship (`hyco.qnn.int2_probe.export_keys`; None: its defaults): the
     deployable graphs hold them so, and the HTP checks run them. `slm_graphs`: export.slm_graphs,
     the SLM graphs the phone runs: tree-only builds the tree graph alone, calibrated and measured
     on the passes it runs on the phone, its prefill passes included."""
     from hyco.calibrate import evaluate
 
-    from hyco.answers import answer_stats
-    from hyco.int4_matmul import shared_repacks
-    from hyco.io_spec import write_io_spec
+    from hyco.data.answers import answer_stats
+    from hyco.npu.io_spec import write_io_spec
+    from hyco.quant.int4_matmul import shared_repacks
 
     start = time.perf_counter()
     phase = Phases("calibrate")
@@ -1012,7 +1014,7 @@ def quantized_spec(base, name: str, qparams: dict[str, dict], negative: float, p
     quantization of every boundary tensor, the chosen mask value."""
     import dataclasses
 
-    from hyco.io_spec import GraphSpec
+    from hyco.npu.io_spec import GraphSpec
 
     def tensor(t):
         q = qparams.get(t.name)
@@ -1054,7 +1056,7 @@ def summary_md(report: dict[str, Any]) -> str:
     two_bit = report.get("two_bit_weights")
     if two_bit:
         proof = (" Each rewritten weight was read back against its INT4 container, ints and scales element by "
-                 "element (`hyco/int2_blocks.py`).") if two_bit["encoding"] == "int2-blocks" else ""
+                 "element (`hyco/quant/int2_blocks.py`).") if two_bit["encoding"] == "int2-blocks" else ""
         md += f"\n2-bit weights: {two_bit_line(two_bit).figure}.{proof}\n"
     floors = {g: v["fidelity_floor"] for g, v in report["graphs"].items()}
     first = next(iter(floors.values()))

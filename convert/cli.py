@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from hyco.cli import stage_command
-from hyco.recipe import ConvertConfig, to_dict
+from hyco.config.recipe import ConvertConfig, to_dict
+from hyco.pipeline.cli import stage_command
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_convert(args: argparse.Namespace, paths: dict, convert: ConvertConfig) -> int:
     from hyco.convert.stage import convert as build
 
-    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
+    from hyco.pipeline.artifacts import run_stage, stage_state, warn_if_proof_failed
 
     allow = args.allow_parity_failure
     inputs = {k: paths[k] for k in ("checkpoint", "keep_set") if k in paths}

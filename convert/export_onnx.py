@@ -7,7 +7,7 @@ IntLinear's ints go in, converted from the checkpoint's packed bytes, as an INT8
 feeding a per-channel DequantizeLinear (constant folding off, so nothing is folded to float),
 or, for 2- and 4-bit linears, as INT4 (int2 values travel in INT4 containers here: ONNX INT2 per
 channel computes wrong numbers on the HTP; calibrate's deployable graphs hold them as INT2 blocks
-where export.two_bit_weights says so, hyco/int2_blocks.py; their 2-bit width goes to
+where export.two_bit_weights says so, hyco/quant/int2_blocks.py; their 2-bit width goes to
 encodings.json). The exporter stops at opset
 20, which has no INT4, so the opset is raised to 21, whose changes over 20 only widen types.
 Each graph is checked with `onnx.checker.check_model(full_check=True)`.
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 from hyco.convert.static_model import IntLinear, StaticGemma
 
-from hyco.compat_torch import onnx_shape_inference_without
-from hyco.int4 import pack_int4
-from hyco.io_spec import GraphSpec
+from hyco.base.compat_torch import onnx_shape_inference_without
+from hyco.formats.int4 import pack_int4
+from hyco.npu.io_spec import GraphSpec
 
 OPSET = 21
 EXPORT_OPSET = 20  # the TorchScript exporter's maximum

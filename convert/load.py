@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hyco.errors import HycoError
-from hyco.families import Layout, architecture, family_of
+from hyco.base.errors import HycoError
+from hyco.config.families import Layout, architecture, family_of
 
 SUPPORTED_BITS = (2, 4, 8)
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
@@ -55,8 +55,8 @@ class Checkpoint:
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    """A safetensors header, checked whole (hyco/loading.py): entries, byte spans, file size."""
-    from hyco.loading import safetensors_header
+    """A safetensors header, checked whole (hyco/base/loading.py): entries, byte spans, file size."""
+    from hyco.base.loading import safetensors_header
 
     return safetensors_header(path)
 
@@ -69,7 +69,7 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise HycoError(f"config.json not found in {folder}")
-    from hyco.loading import read_json
+    from hyco.base.loading import read_json
 
     config = read_json(config_path, "config.json")
     family = family_of(config, str(config_path))
@@ -91,7 +91,7 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
         except re.error as e:
             raise HycoError(f"{config_path}: quantization_config.module_quant_configs key {pattern!r} is not a "
                             f"regular expression ({e})") from None
-    from hyco.loading import check_scales, checkpoint_files
+    from hyco.base.loading import check_scales, checkpoint_files
 
     tensors = checkpoint_files(folder, "QAT")  # headers whole, shards not cut, index consistent
     check_scales(tensors)  # finite, weight/embedding scales > 0
@@ -108,8 +108,8 @@ def check_bits(bits: Any, where: str) -> None:
 
 def module_bits(name: str, quant: dict[str, Any]) -> int:
     """transformers' rule (replace_with_quant_layers), shared with every stage: see
-    `hyco.gemma_quant.bits_for_module` (leftmost match in the name wins)."""
-    from hyco.gemma_quant import bits_for_module
+    `hyco.formats.gemma_quant.bits_for_module` (leftmost match in the name wins)."""
+    from hyco.formats.gemma_quant import bits_for_module
 
     return bits_for_module(name, quant.get("module_quant_configs"), quant.get("num_bits", 4))
 
@@ -229,7 +229,7 @@ def completeness(ckpt: Checkpoint) -> dict[str, Any]:
         else:
             report["extra"].append(name)
     if ckpt.layout.ignored_prefixes:
-        from hyco.loading import tower_tensors
+        from hyco.base.loading import tower_tensors
 
         report["towers_left_on_disk"] = tower_tensors(ckpt.tensors)
     if report["missing"]:
@@ -273,7 +273,7 @@ def load_model(ckpt: Checkpoint):
     import torch
     import transformers
 
-    from hyco.loading import (
+    from hyco.base.loading import (
         block_scaled_tables,
         load_config,
         quiet_transformers,
@@ -318,7 +318,7 @@ def load_model(ckpt: Checkpoint):
 
 def kv_cache_scales(ckpt: Checkpoint, names: list[str]) -> dict[str, float]:
     """k/v_cache_scale tensors (transformers reads and drops them); calibrate/ reads them here."""
-    from hyco.loading import open_safetensors, read_tensor
+    from hyco.base.loading import open_safetensors, read_tensor
 
     out = {}
     by_file: dict[Path, list[str]] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hyco.convert.load import Checkpoint
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 
 TABLES = {  # LUT file name -> (module in the text model, embed_scale as transformers sets it)
     "embed_tokens": lambda tc: tc.hidden_size**0.5,
@@ -56,7 +56,7 @@ def copy_tensors(path: Path, files: dict[str, Path], names: dict[str, str], meta
     steps, so a 1 GB per-layer table never comes into memory. Returns field -> shape."""
     import json
 
-    from hyco.loading import safetensors_header
+    from hyco.base.loading import safetensors_header
 
     header: dict = {"__metadata__": metadata}
     spans = []

@@ -49,16 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hyco.host import (
-    Rope,
-    SlmHost,
-    chain_ancestors,
-    prompt_window,
-    tree_ancestors,
-    tree_positions,
-)
-from hyco.io_spec import GraphSpec
-from hyco.ort import ort_session
+from hyco.npu.host import Rope, SlmHost, chain_ancestors, prompt_window, tree_ancestors, tree_positions
+from hyco.npu.io_spec import GraphSpec
+from hyco.qnn.ort import ort_session
 
 # Float32 graph vs float32 transformers differ by summation order only (no SRQ:
 # test_parity_exact_without_srq_rounding). Measured after forcing the ties (undistilled fixture /
@@ -174,7 +167,7 @@ class PassRecord:
 
 
 class GraphRunner(SlmHost):
-    """Drives a prefill graph and a tree graph that share one KV ring (`hyco.host.SlmHost`, the
+    """Drives a prefill graph and a tree graph that share one KV ring (`hyco.npu.host.SlmHost`, the
     runtime's own loop), plus what parity needs: with `points` (graphs from `parity_build`),
     every pass feeds its nudges (`nudges[pass][point]`, zeros where absent) and records its SRQ
     taps in `passes`."""
@@ -269,7 +262,7 @@ def reference_run(model, ids, keep_ids, windows: dict[str, int], points: list[Sr
     import torch.nn.functional as F
     from transformers.integrations.gemma_quant import apply_srq
 
-    from hyco.compat_transformers import dequantized_weight
+    from hyco.base.compat_transformers import dequantized_weight
 
     modules = dict(model.named_modules())
     taps: dict[int, np.ndarray] = {}
@@ -552,7 +545,7 @@ def run_checks(model, keep_ids, *, graphs: Path, luts: Path, rope: Rope, enc: di
                rng_seed: int = 0, only: tuple[str, ...] | None = None) -> dict:
     """Every traced check: `chain` and `tree` on the deployable rings (`graphs`), `ring`,
     `tree_past_the_ring` and `prompt_window` on the shrunk rings (`ring_graphs`)."""
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
 
     keep = np.asarray(keep_ids)
     rng = np.random.default_rng(rng_seed)

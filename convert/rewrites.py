@@ -14,9 +14,9 @@ import torch
 from hyco.convert.static_model import IntLinear, PerLayerInputs, RingShape, SoftcapHead, StaticGemma
 from torch import nn
 
-from hyco.console import progress
-from hyco.errors import HycoError
-from hyco.npu_ops import MLP, Attention, DecoderLayer, LayerShape, RMSNorm
+from hyco.base.console import progress
+from hyco.base.errors import HycoError
+from hyco.npu.ops import MLP, Attention, DecoderLayer, LayerShape, RMSNorm
 
 
 def unpacked_ints(module) -> torch.Tensor:
@@ -45,8 +45,8 @@ def integer_linear(module, source: str, float_bits: int | None = None) -> IntLin
 def quantize_float_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """hyco-convert's own quantization of a weight the checkpoint left in float: symmetric, one
     scale per output channel, each scale's clip ratio chosen by least squared error (the same
-    rule as the QAT format's writer, hyco/gemma_quant.py). (ints int8 [out, in], scale [out])."""
-    from hyco.gemma_quant import quantize_rows
+    rule as the QAT format's writer, hyco/formats/gemma_quant.py). (ints int8 [out, in], scale [out])."""
+    from hyco.formats.gemma_quant import quantize_rows
 
     ints, scale = quantize_rows(weight.float(), bits)
     return ints, scale.reshape(-1)
@@ -55,7 +55,7 @@ def quantize_float_weight(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor
 def quantized_here(weight: torch.Tensor, source: str, bits: int) -> IntLinear:
     """An IntLinear holding hyco-convert's quantization of a float weight, marked as such (no SRQ:
     the checkpoint calibrated none for it)."""
-    from hyco.gemma_quant import pack
+    from hyco.formats.gemma_quant import pack
 
     ints, scale = quantize_float_weight(weight, bits)
     return IntLinear(pack(ints, bits), scale, bits, weight.shape[1], source, origin="hyco-convert")
@@ -64,7 +64,7 @@ def quantized_here(weight: torch.Tensor, source: str, bits: int) -> IntLinear:
 def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:
     """Output layer restricted to the keep set (vocab/'s restrict_output_layer): row r is
     vocabulary row keep_ids[r] with its own per-channel scale; SRQ scales are per tensor."""
-    from hyco.restrict import restrict_output_layer
+    from hyco.npu.restrict import restrict_output_layer
 
     if keep_ids is None:
         return integer_linear(module, source)
@@ -73,7 +73,7 @@ def restrict_to_keep_set(module, source: str, keep_ids) -> IntLinear:
 
 def decompose_rmsnorm(module) -> RMSNorm:
     weight = module.weight.data if getattr(module, "with_scale", True) else None
-    from hyco.compat_transformers import rms_norm_eps
+    from hyco.base.compat_transformers import rms_norm_eps
 
     return RMSNorm(weight, rms_norm_eps(module))
 

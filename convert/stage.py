@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from hyco import verdict
-from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
-from hyco.errors import HycoError
-from hyco.heap import release_free_heap, return_large_blocks
-from hyco.io_spec import write_io_spec
-from hyco.recipe import ConvertConfig, Recipe, to_dict
+from hyco.base.errors import HycoError
+from hyco.base.files import write_json
+from hyco.base.memory import release_free_heap, return_large_blocks
+from hyco.config.recipe import ConvertConfig, Recipe, to_dict
+from hyco.npu.io_spec import write_io_spec
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import Phases, StageEnd, finish_stage, markdown_table
 
 GRAPHS = {"tree": "tree.onnx", "prefill": "prefill.onnx"}
 
@@ -28,7 +29,7 @@ def keep_ids_for(keep_set: Path | None, tokenizer: Path | None, vocab_size: int,
     """Keep-set token ids, checked against the checkpoint's tokenizer; None = whole vocabulary."""
     if keep_set is None:
         return None
-    from hyco.keepset import load_keep_set
+    from hyco.data.keepset import load_keep_set
 
     ks = load_keep_set(keep_set, tokenizer=tokenizer)
     ids = np.asarray(ks.token_ids, dtype=np.int64)
@@ -74,7 +75,7 @@ QUANTIZED_HERE = ("quantized by hyco-convert, not from the checkpoint: the check
 
 def float_weight(ckpt, source: str):
     """The float weight a checkpoint stores for a linear it left unquantized (float32 torch)."""
-    from hyco.loading import open_safetensors, read_tensor
+    from hyco.base.loading import open_safetensors, read_tensor
 
     name = f"{source}.weight"
     path = ckpt.tensors[name][2]
@@ -102,8 +103,8 @@ def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict
     import onnx
     from hyco.convert.load import tied_embedding
 
-    from hyco.host import mmap_safetensors, unpack_ints
-    from hyco.int4 import unpack_int4
+    from hyco.formats.int4 import unpack_int4
+    from hyco.npu.host import mmap_safetensors, unpack_ints
 
     model = onnx.load(str(out / graph), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
@@ -251,7 +252,7 @@ def run_parity(ckpt, keep_ids, out: Path, ring_graphs: Path | None, rope,
     from hyco.convert.load import load_model
     from hyco.convert.parity import run_checks
 
-    from hyco.artifacts import read_json
+    from hyco.base.loading import read_json
 
     model, text, _ = load_model(ckpt)
     model.set_attn_implementation("eager")
@@ -309,7 +310,7 @@ def convert(*, checkpoint: Path, out: Path, config: ConvertConfig, keep_set: Pat
     E2B shapes."""
     import torch
 
-    from hyco.ct_format import gemma_layout, is_ct
+    from hyco.formats.ct_format import gemma_layout, is_ct
 
     start = time.perf_counter()
     phase = Phases("convert")
@@ -447,7 +448,7 @@ def write_graphs(ckpt, tc, keep_ids, kv_scales, config: ConvertConfig, keep_set:
 def prove(ckpt, keep_ids, graphs: dict[str, Any], config: ConvertConfig, out: Path, tmp: Path, phase: Phases):
     """The bit-exact proof (bitexact.json) and, with `config.parity`, traced parity against
     transformers (parity.json, parity.png). Returns (per-graph bit-exactness, all equal, parity)."""
-    from hyco.host import Rope
+    from hyco.npu.host import Rope
 
     enc = graphs["encodings"]
     with phase("bit-exact proof"):
@@ -467,7 +468,7 @@ def prove(ckpt, keep_ids, graphs: dict[str, Any], config: ConvertConfig, out: Pa
 
 
 def plot_parity(parity: dict[str, Any], path: Path) -> None:
-    from hyco.plots import save
+    from hyco.pipeline.plots import save
 
     save(parity_figure(parity), path)
 
@@ -477,7 +478,7 @@ def parity_figure(parity: dict[str, Any]):
     forced, on a log scale with the tolerance every position must stay under."""
     from hyco.convert.parity import TOLERANCE
 
-    from hyco.plots import LOWER, better, legend_outside, new_figure
+    from hyco.pipeline.plots import LOWER, better, legend_outside, new_figure
 
     fig = new_figure(8.5, 3.6)
     ax = fig.subplots()

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyco.host import SHORT
-from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import TOPK_SLICE, DecoderLayer, RMSNorm, sliced_topk
+from hyco.npu.host import SHORT
+from hyco.npu.io_spec import GraphSpec, TensorSpec
+from hyco.npu.ops import TOPK_SLICE, DecoderLayer, RMSNorm, sliced_topk
 
 # --- ops with an explicit ONNX form ---------------------------------------------------------
 
@@ -103,7 +103,7 @@ class IntLinear(nn.Module):
 
     def int_values(self) -> torch.Tensor:
         """The signed ints [out, in] as int8, unpacked by transformers' own code."""
-        from hyco.compat_transformers import unpack_gemma_ints
+        from hyco.base.compat_transformers import unpack_gemma_ints
 
         if self.bits in (2, 4):
             return unpack_gemma_ints(self.packed, self.bits, self.in_features)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hyco.cli import at_least, stage_command
-from hyco.recipe import CheckConfig, ExportConfig, to_dict
+from hyco.config.recipe import CheckConfig, ExportConfig, to_dict
+from hyco.pipeline.cli import at_least, stage_command
 
 _DEFAULT = ExportConfig()
 BUNDLE_ONLY = ("convert", "qat", "vocab", "tokenizer", "verifier", "verifier_tokenizer")  # --hub uploads calibrate's graphs only
@@ -71,8 +71,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> int:
     from hyco.export.stage import export as build
 
-    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
+    from hyco.pipeline.artifacts import run_stage, stage_state, warn_if_proof_failed
 
     out = paths.pop("out")
     bundle_only = [f"--{k}" for k in BUNDLE_ONLY if k in paths]
@@ -111,7 +111,7 @@ def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> 
 
 def refuse_export_folder(bundle: Path) -> None:
     """The export stage's folder given for its bundle/ inside: say so, not that bundle.json is missing."""
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
 
     if not (bundle / "bundle.json").is_file() and (bundle / "bundle").is_dir():
         raise HycoError(f"{bundle} is an export folder, not a bundle: did you mean {bundle / 'bundle'}?")

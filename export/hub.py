@@ -27,11 +27,12 @@ from typing import Any
 
 from hyco.export.stage import _copy_graph
 
-from hyco.artifacts import atomic_dir, markdown_table, write_json
-from hyco.errors import HycoError
-from hyco.io_spec import GRAPHS, read_io_spec
-from hyco.qnn import soc_info
-from hyco.recipe import ExportConfig, ships_prefill
+from hyco.base.errors import HycoError
+from hyco.base.files import write_json
+from hyco.config.recipe import ExportConfig, ships_prefill
+from hyco.npu.io_spec import GRAPHS, read_io_spec
+from hyco.pipeline.artifacts import atomic_dir, markdown_table
+from hyco.qnn.contexts import soc_info
 
 OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
 DLC_OPTIONS = "--target_runtime qnn_dlc --compute_unit npu"  # a link job's inputs

@@ -43,10 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from hyco.answers import MAX_TOP_SHARE, text_stats
-from hyco.artifacts import markdown_table, write_json
-from hyco.errors import HycoError
-from hyco.pass_compare import PassLog, kv_grid_steps
+from hyco.base.errors import HycoError
+from hyco.base.files import write_json
+from hyco.data.answers import MAX_TOP_SHARE, text_stats
+from hyco.pipeline.artifacts import markdown_table
+from hyco.quant.pass_compare import PassLog, kv_grid_steps
 
 # Reported per graph: the share of rows whose HTP top-1 equals the CPU's (the tiny main job's bundle,
 # 4 prompts x 3 rounds: tree 97/100, prefill 208/211, MTP 48/48; a prefill graph whose softcap the
@@ -95,7 +96,7 @@ class ComparingSessions:
 class NoisySessions:
     """Per graph, the bundle's CPU reference graph with every activation moved by seeded random
     codes up to the HTP's measured worst at that tensor (io_spec `htp_op_codes`, from calibrate's
-    op-by-op run; `hyco.perturb.perturbed_model`), `draws` of them: run on each pass's own feeds, they
+    op-by-op run; `hyco.quant.perturb.perturbed_model`), `draws` of them: run on each pass's own feeds, they
     say how far a correct HTP could move that pass. None for a graph calibrated without the
     simulator."""
 
@@ -107,8 +108,8 @@ class NoisySessions:
         if key not in self.opened:
             import onnx
 
-            from hyco.ort import session_for
-            from hyco.perturb import perturbed_model
+            from hyco.qnn.ort import session_for
+            from hyco.quant.perturb import perturbed_model
             from hyco.runtime.qnn_backend import CodesSession
 
             codes = self.specs[key].meta.get("htp_op_codes")
@@ -245,7 +246,7 @@ def choose_prompts(reference_verifier, candidates: list[list[int]], count: int, 
 def check_verifier(bundle: Path, recorded: dict | None, verifier: Path) -> None:
     """The verifier given must be the one the bundle was exported against (its config's sha256, as
     bundle.json records it): drafting against another model tests nothing the bundle promised."""
-    from hyco.artifacts import sha256_file
+    from hyco.base.files import sha256_file
 
     config = verifier / "config.json"
     if not config.is_file():
@@ -336,13 +337,13 @@ def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: in
     import torch
     from transformers import AutoTokenizer
 
-    from hyco.bundle import verify_bundle
-    from hyco.io_spec import read_io_spec
-    from hyco.keepset import load_keep_set
-    from hyco.recipe import CheckConfig, DatasetConfig
+    from hyco.config.recipe import CheckConfig, DatasetConfig
+    from hyco.data.keepset import load_keep_set
+    from hyco.data.workloads import chat_ids
+    from hyco.npu.io_spec import read_io_spec
+    from hyco.qnn.bundle import verify_bundle
     from hyco.runtime.inputs import load_model, load_prompt_texts
     from hyco.runtime.verifier import ReferenceVerifier, Sampling
-    from hyco.workloads import chat_ids
 
     meta = verify_bundle(bundle, soc_model)
     shared = sorted(r for r, g in meta["graphs"].items() if g.get("shared_context"))
@@ -360,7 +361,7 @@ def open_bundle(bundle: Path, verifier: Path, soc_model: int | None, prompts: in
     model = load_model(verifier, "verifier")
     bridge, candidates, eos = None, slm_candidates, set()
     if verifier_tokenizer is not None:
-        from hyco.answers import eos_ids_of
+        from hyco.data.answers import eos_ids_of
         from hyco.runtime.bridge import TokenBridge, end_of_turn_ids
 
         verifier_tok = AutoTokenizer.from_pretrained(verifier_tokenizer)
@@ -504,7 +505,7 @@ def smoke_markdown(report: dict[str, Any], prompts: int, reference_tokens: int) 
            f"a fault under a bound passes, so a bound over {POWER_LIMIT:g}x is named: "
            + ("; ".join(f"{k}: {n}" for k, n in weak.items()) if weak else "none is") + ".\n")
     md += ("\nA pass agrees when its top-k ids are equal but for swaps of tokens whose CPU log-probs are within "
-           "twice the pass's own HTP-vs-CPU difference (hyco/pass_compare.py: no honest swap crosses a wider gap) "
+           "twice the pass's own HTP-vs-CPU difference (hyco/quant/pass_compare.py: no honest swap crosses a wider gap) "
            "and every log-prob both top-k rows hold, rank by rank and token by token, is within the graph's bound "
            "or twice the pass's own move when perturbed at the HTP's measured codes (max_pass_bound), "
            "and the new K/V rows it writes are within the graph's K/V bound (max_kv_steps, in steps of their "

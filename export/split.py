@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hyco.errors import HycoError
-from hyco.io_spec import GraphSpec, TensorSpec
+from hyco.base.errors import HycoError
+from hyco.npu.io_spec import GraphSpec, TensorSpec
 
 _LAYER = re.compile(r"layers\.(\d+)[/.]")
 

@@ -15,21 +15,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hyco import verdict
-from hyco.artifacts import (
+from hyco.base.errors import HycoError
+from hyco.base.files import write_json
+from hyco.base.memory import return_large_blocks
+from hyco.config.recipe import ExportConfig, Recipe, ships_prefill, to_dict
+from hyco.npu.io_spec import GRAPHS, GraphSpec, read_io_spec, write_io_spec
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import (
     Phases,
     StageEnd,
     declare_nondeterministic,
     finish_stage,
     markdown_table,
     toolchain_versions,
-    write_json,
 )
-from hyco.errors import HycoError
-from hyco.heap import return_large_blocks
-from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec, write_io_spec
-from hyco.recipe import ExportConfig, Recipe, ships_prefill, to_dict
-from hyco.stages import stage_dir
+from hyco.pipeline.stages import stage_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json")
@@ -111,14 +111,14 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
                    phase: Phases | None = None) -> dict[str, Any]:
     from hyco.export.split import split_graph
 
-    from hyco.bundle import check_binary_io, weight_bytes
-    from hyco.qnn import compile_in_processes
-    from hyco.qnn_system import binary_info
+    from hyco.qnn.bundle import check_binary_io, weight_bytes
+    from hyco.qnn.contexts import compile_in_processes
+    from hyco.qnn.system import binary_info
 
     graphs = {}
     shared = {}
     if config.slm_graphs == "shared":  # tree and prefill: one binary, one copy of their common weights
-        from hyco.qnn import compile_shared_isolated
+        from hyco.qnn.contexts import compile_shared_isolated
 
         roles = ("tree", "prefill")
         if any(weight_bytes(calibrate / GRAPHS[r]) > config.max_context_bytes for r in roles):
@@ -187,7 +187,7 @@ def compile_workers(config: ExportConfig, weights: list[int]) -> int:
     machine's memory) at COMPILE_BYTES_PER_WEIGHT_BYTE each, the largest first; at least one."""
     import os
 
-    from hyco.preflight import machine_memory_gb
+    from hyco.pipeline.preflight import machine_memory_gb
 
     wanted = min(config.compile_workers or os.cpu_count() or 1, max(1, len(weights)))
     budget = (config.compile_memory_gb or machine_memory_gb()) * 1024**3
@@ -215,7 +215,7 @@ def declare_binaries(graphs: dict[str, Any], qnn_sdk: str) -> None:
     unlike a rerun that skips calibrate), differs (in a small share of its bytes; same size, same
     graph I/O read back). The EPContext wrappers are reproducible; so is every other byte of
     bundle.json but the binaries' hashes."""
-    from hyco.bundle import BUNDLE_JSON
+    from hyco.qnn.bundle import BUNDLE_JSON
 
     binaries = sorted({p["binary"] for g in graphs.values() for p in g["parts"]})
     why = (f"QNN HTP context binary from onnxruntime-qnn's prepare (QNN {qnn_sdk}): its bytes depend on the QNN "
@@ -231,7 +231,7 @@ def verifier_identity(verifier: Path) -> dict[str, str]:
     """What bundle.json records of the reference verifier: its folder's name and its config's
     sha256, never a path (the bundle moves; the verifier is the server's and is given to `smoke`
     with --verifier)."""
-    from hyco.artifacts import sha256_file
+    from hyco.base.files import sha256_file
 
     config = verifier / "config.json"
     if not config.is_file():
@@ -251,7 +251,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
     folder the reports name. Returns a short summary for the manifest. `qat` None: the SLM's
     graphs only (no MTP Drafter on the phone); `verifier_tokenizer`: a verifier of another family,
     which the smoke run drafts for through the token bridge."""
-    from hyco.bundle import footprint_markdown
+    from hyco.qnn.bundle import footprint_markdown
 
     start = time.perf_counter()
     # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next
@@ -323,7 +323,7 @@ def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out
 
 def verdict_lines(report: dict[str, Any], config: ExportConfig) -> list[verdict.Line]:
     """The smoke run through the binaries against onnxruntime CPU, and what the phone holds."""
-    from hyco.bundle import footprint_line
+    from hyco.qnn.bundle import footprint_line
 
     smoke = report["smoke"]
     qnn = ".".join(report["qnn_sdk"].lstrip("v").split(".")[:2])
@@ -367,9 +367,9 @@ def shipped_label(two: dict[str, Any]) -> str:
 
 def shipped_two_bit(calibrate: Path, config: ExportConfig) -> dict[str, Any]:
     """How the SLM's 2-bit weights ship: what export.two_bit_weights decides here
-    (`hyco.int2_blocks.decide`), which must be how calibrate wrote its graphs (io_spec's
+    (`hyco.qnn.int2_probe.decide`), which must be how calibrate wrote its graphs (io_spec's
     `two_bit_weights`; graphs without it hold INT4 containers), with what each graph holds."""
-    from hyco.int2_blocks import decide, export_keys
+    from hyco.qnn.int2_probe import decide, export_keys
 
     decision = decide(**export_keys(config))
     specs = read_io_spec(calibrate / "io_spec.json")
@@ -390,7 +390,7 @@ def shipped_two_bit(calibrate: Path, config: ExportConfig) -> dict[str, Any]:
 def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:
     """The recipe's SoC by name and Hexagon arch, and what the installed QNN libraries build for
     that name; refused where the two disagree, and for the qai-hub backend (`export --hub`)."""
-    from hyco.qnn import settle_soc, soc_info
+    from hyco.qnn.contexts import settle_soc, soc_info
 
     chip, arch = soc_info(config.soc_model, config.htp_arch)
     settled = settle_soc(chip)
@@ -409,7 +409,7 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
                  tokenizer: Path | None, verifier: Path | None) -> dict[str, Any]:
     """The bundle's inputs gathered, its graphs compiled, and bundle.json (binaries, footprint,
     SoC, reference verifier) written. Returns bundle.json's content."""
-    from hyco.bundle import (
+    from hyco.qnn.bundle import (
         BUNDLE_JSON,
         BUNDLE_VERSION,
         device_footprint,

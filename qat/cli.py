@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hyco.cli import stage_command
-from hyco.recipe import QatConfig, to_dict
+from hyco.config.recipe import QatConfig, to_dict
+from hyco.pipeline.cli import stage_command
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +28,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _cmd_qat(args: argparse.Namespace, paths: dict, qat: QatConfig) -> int:
     from hyco.qat.stage import build_qat, capture_share
 
-    from hyco.artifacts import run_stage, stage_state, warn_if_proof_failed
-    from hyco.launch import run_split
+    from hyco.base.launch import run_split
+    from hyco.pipeline.artifacts import run_stage, stage_state, warn_if_proof_failed
 
     out, inputs = paths.pop("out"), paths
     allow = args.allow_parity_failure

@@ -7,7 +7,7 @@ from hyco.qat.mtp import dense_rows
 from hyco.qat.quantsim import plain
 from hyco.qat.train import kl_teacher_student, model_inputs
 
-from hyco.captures import Capture
+from hyco.npu.captures import Capture
 
 
 @torch.no_grad()

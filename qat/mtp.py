@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hyco.errors import HycoError
-from hyco.handoff import attention_masks
-from hyco.npu_ops import centroid_mask, centroid_masked
+from hyco.base.errors import HycoError
+from hyco.npu.handoff import attention_masks
+from hyco.npu.ops import centroid_mask, centroid_masked
 
 
 def check_output_layer(config, where: str | None = None) -> None:
@@ -112,7 +112,7 @@ class TeacherForcedHead(nn.Module):
     Submodule names follow the HF head (`model.layers.0.self_attn.q_proj`, ...).
 
     A centroid-masked head keeps its centroid layer (`masked_embedding.centroids`, quantized like
-    every Linear) and masks the row as the step graph does (hyco/npu_ops.py `centroid_mask`), unless
+    every Linear) and masks the row as the step graph does (hyco/npu/ops.py `centroid_mask`), unless
     `dense` is set: training takes the KL on the dense row (train.py says why).
     """
 

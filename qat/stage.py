@@ -19,20 +19,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyco import verdict
-from hyco.artifacts import Phases, StageEnd, finish_stage, markdown_table, write_json
-from hyco.errors import HycoError
-from hyco.heap import release_free_heap
-from hyco.host import SHORT
-from hyco.ort import ort_session
-from hyco.recipe import PlacementConfig, QatConfig, Recipe, to_dict
+from hyco.base.errors import HycoError
+from hyco.base.files import write_json
+from hyco.base.memory import release_free_heap
+from hyco.config.recipe import PlacementConfig, QatConfig, Recipe, to_dict
+from hyco.npu.host import SHORT
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import Phases, StageEnd, finish_stage, markdown_table
+from hyco.qnn.ort import ort_session
 
 CAPTURES = "captures"
 LINEAR_FORMAT = "int4 values stored in int8 [out, in], float32 scale [out] per output channel, symmetric"
 
 
 def load_model(path: Path, what: str, dtype: torch.dtype, device_map=None):
-    from hyco.loading import load_pretrained
+    from hyco.base.loading import load_pretrained
 
     return load_pretrained(path, what, dtype=dtype, device_map=device_map).eval()
 
@@ -41,7 +42,7 @@ def check_pair(v_cfg, h_cfg, tokenizer, verifier_dir: Path, assistant_dir: Path)
     """The verifier / head pair from their configs (before the head's weights are read)."""
     from hyco.qat.mtp import check_output_layer
 
-    from hyco.families import family_of, head_of
+    from hyco.config.families import family_of, head_of
 
     reads = head_of({"model_type": getattr(h_cfg, "model_type", None)}, f"{assistant_dir}/config.json")[0]
     verifier = family_of({"model_type": getattr(v_cfg, "model_type", None)}, f"{verifier_dir}/config.json")
@@ -89,10 +90,10 @@ def input_ranges(captures, teacher, sliding_window: int, percentile: float, devi
 
 def capture_share(*, verifier: Path, tokenizer: Path, answers: Path, config: QatConfig, captures: Path,
                   placement: PlacementConfig | None = None) -> None:
-    """A follower process of `accelerate launch` (hyco/launch.py): its share of the captures,
+    """A follower process of `accelerate launch` (hyco/base/launch.py): its share of the captures,
     written into the main process's `captures` folder; the main process trains."""
-    from hyco.captures import capture_answers
-    from hyco.loading import load_tokenizer, load_verifier
+    from hyco.base.loading import load_tokenizer, load_verifier
+    from hyco.npu.captures import capture_answers
 
     records, _ = read_answer_folder(Path(answers), load_tokenizer(Path(tokenizer)))
     verifier_model = load_verifier(verifier, placement or PlacementConfig())
@@ -102,8 +103,8 @@ def capture_share(*, verifier: Path, tokenizer: Path, answers: Path, config: Qat
 def read_answer_folder(folder: Path, tokenizer) -> tuple[list[dict], dict[str, Any]]:
     """The answers stage's records and report, checked: both splits present, every token id
     inside the tokenizer's vocabulary (answers written with another tokenizer are refused)."""
-    from hyco.answers import ANSWERS, ANSWERS_REPORT, read_answers
-    from hyco.artifacts import read_json
+    from hyco.base.loading import read_json
+    from hyco.data.answers import ANSWERS, ANSWERS_REPORT, read_answers
 
     records = read_answers(folder / ANSWERS)
     report = read_json(folder / ANSWERS_REPORT, ANSWERS_REPORT)
@@ -123,7 +124,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     `placement`: the verifier's dtype and devices for the captures (default: BF16 on a GPU, fp32
     on the CPU). In named steps: read and check the inputs, capture the answers through the
     verifier, train the students, write the MTP Drafter and prove its graphs."""
-    from hyco.launch import start_followers
+    from hyco.base.launch import start_followers
 
     start = time.perf_counter()
     phase = Phases("qat")
@@ -194,8 +195,8 @@ def read_inputs(tokenizer: Path, vocab: Path, answers: Path, assistant: Path, ph
     so that a damaged head fails now, not after the verifier's answers and captures."""
     from hyco.qat.mtp import check_output_layer
 
-    from hyco.keepset import load_keep_set
-    from hyco.loading import load_config, load_tokenizer
+    from hyco.base.loading import load_config, load_tokenizer
+    from hyco.data.keepset import load_keep_set
 
     tok_dir = Path(tokenizer)
     if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
@@ -218,10 +219,10 @@ def capture_through_verifier(verifier: Path, assistant: Path, tok, keep, answer_
     """The answers teacher-forced through the verifier (captures/) and the MTP embedding LUT; the
     verifier is loaded here and gone when this returns, so its weights and the head's are never
     in memory together. Returns the train and eval capture sets and the KV shapes."""
-    from hyco.captures import CaptureSet, capture_answers
-    from hyco.embed_lut import EMBED_LUT, write_embed_lut
-    from hyco.loading import load_verifier
-    from hyco.preflight import check_teacher
+    from hyco.base.loading import load_verifier
+    from hyco.npu.captures import CaptureSet, capture_answers
+    from hyco.npu.embed_lut import EMBED_LUT, write_embed_lut
+    from hyco.pipeline.preflight import check_teacher
 
     check_teacher(Path(verifier), config.quantized_teacher)  # a BF16 teacher unless the recipe opts in
     with phase("load verifier"):
@@ -358,7 +359,7 @@ def write_drafter(out: Path, head, sim, keep, spec, ranges, config: QatConfig) -
     from hyco.qat.step_graph import fixed_input_ranges, param_name, quantize_graph, uint16_qparams
     from safetensors.torch import save_file
 
-    from hyco.io_spec import write_io_spec
+    from hyco.npu.io_spec import write_io_spec
 
     linears = quantized_linears(sim)
     ints = {name: integer_weights(layer) for name, layer in linears.items()}
@@ -410,7 +411,7 @@ def write_drafter(out: Path, head, sim, keep, spec, ranges, config: QatConfig) -
 def parity_positions(cap, spec, config: QatConfig, positions: int = 8) -> list[tuple]:
     """The last drafting positions of `cap` as (StepInput, step graph feeds): the ring holds the
     last `window` positions, the references get the same rows."""
-    from hyco.handoff import StepInput
+    from hyco.npu.handoff import StepInput
     from hyco.runtime.mtp import rope_rows, step_feeds
 
     rows = []
@@ -538,7 +539,7 @@ def step_graph_proof(out: Path, head, sim, feeds_list: list[dict], topk: int) ->
 
 
 def plot_loss(path: Path, history: list[dict]) -> None:
-    from hyco.plots import save
+    from hyco.pipeline.plots import save
 
     save(loss_figure(history), path)
 
@@ -546,7 +547,7 @@ def plot_loss(path: Path, history: list[dict]) -> None:
 def loss_figure(history: list[dict]):
     """The training loss per optimizer step, with a running mean: one sequence a step makes the raw
     curve noisy, and the trend is what tells whether QAT converged."""
-    from hyco.plots import LOWER, better, new_figure, number
+    from hyco.pipeline.plots import LOWER, better, new_figure, number
 
     fig = new_figure(6.4, 3.6)
     ax = fig.subplots()
@@ -573,7 +574,7 @@ def loss_figure(history: list[dict]):
 
 def _running_mean(values: list[float], window: int) -> list[float]:
     """Mean of each value and the window - 1 before it (fewer at the start); NaNs (unmeasured) skipped."""
-    from hyco.plots import measured
+    from hyco.pipeline.plots import measured
 
     out = []
     for i in range(len(values)):
@@ -583,7 +584,7 @@ def _running_mean(values: list[float], window: int) -> list[float]:
 
 
 def plot_agreement(path: Path, results: dict, bits: int) -> None:
-    from hyco.plots import save
+    from hyco.pipeline.plots import save
 
     save(agreement_figure(results, bits), path)
 
@@ -591,7 +592,7 @@ def plot_agreement(path: Path, results: dict, bits: int) -> None:
 def agreement_figure(results: dict, bits: int):
     """The head's fidelity to the float head on the evaluation captures, per quantization: top-1
     agreement and KL side by side (a head can keep its top-1 and still lose probability mass)."""
-    from hyco.plots import HIGHER, LOWER, better, measured, new_figure, number
+    from hyco.pipeline.plots import HIGHER, LOWER, better, measured, new_figure, number
 
     models = {f"w{bits}_ptq": (f"W{bits} PTQ\n(clip search)", "#999999"), f"w{bits}_qat": (f"W{bits} QAT", "#3366cc"),
               "w8_ptq": ("W8 PTQ", "#66aa66")}
@@ -620,7 +621,7 @@ def agreement_figure(results: dict, bits: int):
 
 def _labelled_bars(ax, labels: list[str], values: list[float], colors: list[str], fmt: str) -> None:
     """Bars with their values above them; an unmeasured (NaN) value keeps its place, marked as such."""
-    from hyco.plots import measured
+    from hyco.pipeline.plots import measured
 
     places = range(len(labels))
     heights = [v if measured(v) else 0.0 for v in values]

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from hyco import npu_ops
-from hyco.host import SHORT
-from hyco.int4 import pack_int4
-from hyco.io_spec import GraphSpec, TensorSpec
-from hyco.npu_ops import (
+from hyco.formats.int4 import pack_int4
+from hyco.npu import ops as npu_ops
+from hyco.npu.host import SHORT
+from hyco.npu.io_spec import GraphSpec, TensorSpec
+from hyco.npu.ops import (
     MLP,
     Attention,
     DecoderLayer,
@@ -53,7 +53,7 @@ def linear_names(num_layers: int, centroids: bool = False) -> list[str]:
 
 def param_name(module: str) -> str:
     """ONNX initializer name of a linear's [in, out] weight in MtpStep (HF module name in):
-    the step stacks npu_ops' DecoderLayer, whose attention is `attn`."""
+    the step stacks hyco.npu.ops' DecoderLayer, whose attention is `attn`."""
     return module.replace("model.layers.", "layers.").replace(".self_attn.", ".attn.").replace(
         "masked_embedding.centroids", "centroids") + ".weight"
 
@@ -74,7 +74,7 @@ class MtpStep(nn.Module):
     """One drafting step over fixed-shape inputs (see `io_spec`); weights from `weights`
     (HF module name -> [out, in] float) and the HF head for norms, shapes and types.
 
-    The head's layers are npu_ops' static DecoderLayer, the one convert's SLM graphs stack: each
+    The head's layers are hyco.npu.ops' static DecoderLayer, the one convert's SLM graphs stack: each
     attends over the verifier's ring of its layer type, as a KV-shared SLM layer attends over its
     owner's (q_proj only). A centroid-masked head also needs `cluster_of` (each output row's
     centroid, qat/mtp.py `clusters_of`); its row is masked by `centroid_mask` before the LogSoftmax."""
@@ -195,7 +195,7 @@ def export_float(step: MtpStep, spec: GraphSpec, path: Path) -> Path:
 
 def uint16_qparams(lo: float, hi: float) -> tuple[float, int]:
     """Asymmetric uint16 scale / zero point holding [lo, hi] (widened to hold 0), ends included."""
-    from hyco.grids import uint16_grid
+    from hyco.quant.grids import uint16_grid
 
     return uint16_grid(lo, hi)
 

@@ -25,9 +25,9 @@ from hyco.qat.lean_qdq import lean_weight_qdq
 from hyco.qat.mtp import dense_rows, teacher_forced_inputs
 from hyco.qat.quantsim import plain
 
-from hyco.captures import Capture
-from hyco.console import progress
-from hyco.recipe import QatConfig
+from hyco.base.console import progress
+from hyco.config.recipe import QatConfig
+from hyco.npu.captures import Capture
 
 
 def lr_at(step: int, cfg: QatConfig) -> float:

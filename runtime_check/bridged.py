@@ -38,16 +38,16 @@ from hyco.runtime_check.check import (
 )
 from hyco.runtime_check.report import write_report
 
-from hyco.answers import eos_ids_of, text_stats
-from hyco.console import progress
-from hyco.errors import HycoError
-from hyco.recipe import CheckConfig, to_dict
+from hyco.base.console import progress
+from hyco.base.errors import HycoError
+from hyco.config.recipe import CheckConfig, to_dict
+from hyco.data.answers import eos_ids_of, text_stats
+from hyco.data.workloads import chat_ids, even_subset, read_workload
 from hyco.runtime.bridge import TokenBridge, model_end_of_turn_ids
 from hyco.runtime.configs import DecodeConfig
 from hyco.runtime.decode import DecodeLog, decode_bridged, verifier_alone
 from hyco.runtime.inputs import load_model, load_prompt_texts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
-from hyco.workloads import chat_ids, even_subset, read_workload
 
 
 def bridge_figures(logs: list[DecodeLog], eos_ids: set[int]) -> dict[str, Any] | None:
@@ -76,7 +76,7 @@ def bridge_figures(logs: list[DecodeLog], eos_ids: set[int]) -> dict[str, Any] |
 
 
 def _vocab_size(folder: Path) -> int:
-    from hyco.loading import read_json
+    from hyco.base.loading import read_json
 
     config = read_json(Path(folder) / "config.json", "config.json")
     return int((config.get("text_config") or config)["vocab_size"])
@@ -95,7 +95,7 @@ def decode_bridged_all(verifier_prompts: list[list[int]], slm_prompts: list[list
     """One configuration over the prompts, each from fresh caches (`verifier-alone`, or SLM-only
     trees through the bridge); the verifier samples keyed by position (`seeds`). Under
     `accelerate launch` each process decodes its share."""
-    from hyco.launch import in_order, my_positions
+    from hyco.base.launch import in_order, my_positions
 
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
     logs = []
@@ -163,8 +163,8 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
     `verifier_tokenizer` the verifier's; `assistant`, the verifier's own head, only for cloud-mtp."""
     from hyco.runtime_check.check import _keep_ids
 
-    from hyco.launch import start_followers
-    from hyco.loading import load_tokenizer
+    from hyco.base.launch import start_followers
+    from hyco.base.loading import load_tokenizer
 
     start_followers()
     slm_tok, verifier_tok = load_tokenizer(tokenizer), load_tokenizer(verifier_tokenizer)
@@ -222,7 +222,7 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
         slm_runner = "onnxruntime (convert/ graphs)"
         if any(deployed(c, config) for c in decode_configs):
             backend, device = deployed_executor(config)
-            runner = "onnxruntime CPU" if backend == "cpu" else f"torch on {device} (hyco/qdq_torch.py)"
+            runner = "onnxruntime CPU" if backend == "cpu" else f"torch on {device} (hyco/quant/qdq_torch.py)"
             slm_runner = f"{runner} on the export bundle's tree/prefill QDQ graphs (deployed numerics)"
     elif config.backend == "qnn":
         slm_runner = "QNN HTP (export bundle's tree/prefill context binaries; x86 simulator)"

@@ -18,17 +18,17 @@ from hyco.runtime_check.bootstrap import cluster_sums, paired_relative_ci, ratio
 from hyco.runtime_check.metrics import summarize
 from hyco.runtime_check.report import write_report
 
-from hyco.answers import eos_ids_of
-from hyco.console import progress
-from hyco.errors import HycoError
-from hyco.recipe import CheckConfig, DatasetConfig, PlacementConfig, to_dict
+from hyco.base.console import progress
+from hyco.base.errors import HycoError
+from hyco.base.workers import in_background
+from hyco.config.recipe import CheckConfig, DatasetConfig, PlacementConfig, to_dict
+from hyco.data.answers import eos_ids_of
+from hyco.data.workloads import Subset, chat_ids, even_subset, read_workload
 from hyco.runtime.configs import DecodeConfig, decode_config
 from hyco.runtime.decode import DecodeLog, decode, decode_alone
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter, check_backend
 from hyco.runtime.inputs import load_model, load_prompts
 from hyco.runtime.verifier import ReferenceVerifier, Sampling
-from hyco.workers import in_background
-from hyco.workloads import Subset, chat_ids, even_subset, read_workload
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def deployed(cfg: DecodeConfig, check: CheckConfig) -> bool:
 def deployed_executor(check: CheckConfig) -> tuple[str, str]:
     """(bundle_sessions backend, torch device) for the deployed graphs: `auto` is torch on a CUDA
     device where there is one (seconds become milliseconds a pass at E2B shapes), else onnxruntime."""
-    from hyco.qdq_torch import torch_device
+    from hyco.quant.qdq_torch import torch_device
 
     executor = check.deployed_executor
     if executor == "auto":
@@ -131,8 +131,8 @@ def measure_costs(all_logs: dict[str, list[DecodeLog]], configs: list[DecodeConf
     the bundle's weight floor, and the network."""
     from hyco.runtime_check.costs import costs_inputs, setting_of, tables
 
-    from hyco.io_spec import GRAPHS, read_io_spec
-    from hyco.loading import read_json
+    from hyco.base.loading import read_json
+    from hyco.npu.io_spec import GRAPHS, read_io_spec
     from hyco.runtime.phone_timing import phone_times
     from hyco.runtime.server_timing import Grid, server_times
     from hyco.runtime.timing import network
@@ -177,8 +177,8 @@ def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, 
                seeds: list[int] | None = None) -> list[DecodeLog]:
     """`seeds`: per prompt, the verifier samples each token keyed by its position (the committed
     text is then the verifier's own keyed text whatever the drafts: `keyed_generate`). Under
-    `accelerate launch` each process decodes its share of the prompts (`hyco.launch`)."""
-    from hyco.launch import in_order, my_positions
+    `accelerate launch` each process decodes its share of the prompts (`hyco.base.launch`)."""
+    from hyco.base.launch import in_order, my_positions
 
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
     logs = []
@@ -207,7 +207,7 @@ def keyed_generate(verifier, prompt: list[int], max_new_tokens: int, sampling: S
     verification must commit. Its tokens and raw logits per step."""
     from transformers import DynamicCache
 
-    from hyco.handoff import input_device
+    from hyco.npu.handoff import input_device
     from hyco.runtime.acceptance import keyed_samples
 
     cache = DynamicCache(config=verifier.config.get_text_config())
@@ -229,7 +229,7 @@ def choose_prompts(candidates: list[list[int]], references: list[list[int]], cou
     """Each candidate's reference text statistics; the first `count` whose text is not mostly one
     token are chosen, then, when too few are, the least repetitive others. Agreement and
     acceptance measured on one repeated token say nothing."""
-    from hyco.answers import MAX_TOP_SHARE, text_stats
+    from hyco.data.answers import MAX_TOP_SHARE, text_stats
 
     rows = []
     for i, ref in enumerate(references):
@@ -329,9 +329,9 @@ def run_check(*, verifier: Path, assistant: Path | None, slm: Path, tokenizer: P
 def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
                prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
                bundle_dir: Path | None = None, workload: Path | None = None, placement=None):
-    from hyco.answers import text_stats
-    from hyco.launch import start_followers
-    from hyco.loading import load_tokenizer
+    from hyco.base.launch import start_followers
+    from hyco.base.loading import load_tokenizer
+    from hyco.data.answers import text_stats
 
     start_followers()
     names = [c.name for c in decode_configs]
@@ -416,7 +416,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
                 "verifier": f"transformers, {where(verifier_model)}"}
     if graphs and config.drafters == "deployed":
         backend, device = deployed_executor(config)
-        runner = "onnxruntime CPU" if backend == "cpu" else f"torch on {device} (hyco/qdq_torch.py)"
+        runner = "onnxruntime CPU" if backend == "cpu" else f"torch on {device} (hyco/quant/qdq_torch.py)"
         if backend == "torch":
             from hyco.runtime.qnn_backend import bundle_sessions
 
@@ -445,7 +445,7 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
 def reference_texts(verifier_model, candidates: list[list[int]], indices: list[int], run_config: CheckConfig,
                     sampling: Sampling, eos: set[int], desc: str) -> list:
     """The candidates' reference texts (the verifier alone, keyed sampling), split over processes."""
-    from hyco.launch import in_order, my_positions
+    from hyco.base.launch import in_order, my_positions
 
     mine = my_positions(len(indices))
     return in_order([(j, keyed_generate(verifier_model, candidates[indices[j]], run_config.max_new_tokens, sampling,
@@ -513,7 +513,7 @@ def workload_prompts(questions, tok, verifier_model, config: CheckConfig, sampli
     token bridge's SLM). Under `accelerate launch` each process answers its share of the questions (a
     question's turns stay together: the second follows the first's answer); every prompt keeps its
     place, and so its sampling seed, in the whole workload's order."""
-    from hyco.launch import in_order, my_positions
+    from hyco.base.launch import in_order, my_positions
 
     firsts = np.cumsum([0] + [len(q.turns) for q in questions])  # each question's first prompt index
 
@@ -585,7 +585,7 @@ def workload_stats(config: CheckConfig, workload: Path | None, items: list[dict]
     """What the figures were computed on: the workload, its questions (`subset`: how a file's were
     picked), turns and categories, and the verifier's reference texts' statistics (a text mostly
     one token measures nothing)."""
-    from hyco.answers import text_stats
+    from hyco.data.answers import text_stats
 
     return {"schema": config.workload.schema, "source": str(workload) if workload else None,
             "selection": subset.text() if subset is not None else None,
@@ -603,8 +603,8 @@ def second_process_share(decode_configs: list[DecodeConfig], config: CheckConfig
     """The configurations a second process decodes beside this one (every second, from the second:
     it starts late by its imports and loads), or none: only small models on a CPU with cores to
     spare, each process on one thread (`check.threads` 1), so the numbers are this process's."""
-    from hyco.launch import launched
-    from hyco.preflight import checkpoint_bytes
+    from hyco.base.launch import launched
+    from hyco.pipeline.preflight import checkpoint_bytes
 
     if (config.processes == 1 or config.threads != 1 or launched() or torch.cuda.is_available()
             or (os.cpu_count() or 1) < 2 or len(decode_configs) < 4 or config.backend != "onnxruntime"):
@@ -617,7 +617,7 @@ def second_process_share(decode_configs: list[DecodeConfig], config: CheckConfig
 def decode_share(request: dict[str, Any]) -> dict[str, list[list[DecodeLog]]]:
     """In a second process: the models loaded as the first loads them, and `request["configs"]`
     decoded on the same prompts, runs and seeds (`_run_check`)."""
-    from hyco.loading import load_tokenizer
+    from hyco.base.loading import load_tokenizer
 
     torch.set_num_threads(1)
     verifier_model = load_model(request["verifier"], "verifier", request["placement"])
@@ -636,7 +636,7 @@ def decode_share(request: dict[str, Any]) -> dict[str, list[list[DecodeLog]]]:
 def _keep_ids(vocab_dir: Path | None, tokenizer: Path, vocab_size: int) -> torch.Tensor | None:
     if vocab_dir is None or not (Path(vocab_dir) / "keep_set.json").is_file():
         return None
-    from hyco.keepset import load_keep_set
+    from hyco.data.keepset import load_keep_set
 
     keep = load_keep_set(vocab_dir, tokenizer)
     if int(keep.token_ids.max()) >= vocab_size:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    from hyco.cli import add_recipe_argument, at_least
-    from hyco.recipe import CheckConfig, WorkloadConfig
-    from hyco.workloads import WORKLOADS
+    from hyco.config.recipe import CheckConfig, WorkloadConfig
+    from hyco.data.workloads import WORKLOADS
+    from hyco.pipeline.cli import add_recipe_argument, at_least
 
     defaults = CheckConfig()
     workloads = "; ".join(f"{name}: {text}" for name, text in WORKLOADS.items())
@@ -96,7 +96,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
 
 def configurations_text() -> str:
     """check's configurations, from the runtime's registries (hyco/runtime/configs.py)."""
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
     from hyco.runtime.configs import BRIDGE_CONFIGS, CONFIGS, NUMERICS
 
     def listed(registry: dict) -> str:
@@ -109,7 +109,7 @@ def configurations_text() -> str:
 
 
 def _recipe_of(args: argparse.Namespace) -> str:
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
 
     given = [r for r in (args.recipe, args.recipe_option) if r is not None]
     if not given:
@@ -123,9 +123,9 @@ def refuse_unbuilt(inputs: dict[str, Path], run_dir: Path, recipe: str, stages: 
     """check reads earlier stages' folders from the run folder: when the recipe's own `stages` build
     some it lacks, one line naming them and the command that builds them, before any model loads
     (a folder no stage of the recipe builds is run_check's to explain)."""
-    from hyco.artifacts import MANIFEST
-    from hyco.errors import HycoError
-    from hyco.preflight import unbuilt
+    from hyco.base.errors import HycoError
+    from hyco.pipeline.artifacts import MANIFEST
+    from hyco.pipeline.preflight import unbuilt
 
     missing = [folder for folder in unbuilt(inputs.values(), run_dir) if folder in stages]
     if not missing:
@@ -142,9 +142,9 @@ def refuse_unbuilt(inputs: dict[str, Path], run_dir: Path, recipe: str, stages: 
 def _cmd_check(args: argparse.Namespace) -> int:
     from hyco.runtime_check import stage
 
-    from hyco.artifacts import run_stage, stage_state
-    from hyco.launch import run_split
-    from hyco.recipe import load_recipe
+    from hyco.base.launch import run_split
+    from hyco.config.recipe import load_recipe
+    from hyco.pipeline.artifacts import run_stage, stage_state
 
     recipe_name = _recipe_of(args)
     recipe = load_recipe(recipe_name, args.set or [])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.runtime.configs import DecodeConfig
 from hyco.runtime.decode import DecodeLog
 from hyco.runtime.phone_timing import PhoneTimes
@@ -403,7 +403,7 @@ def _override_phone(setting: Setting, profile: str | None, phone_ms: dict[str, f
 
 
 def read_inputs(check_dir: Path) -> dict[str, Any]:
-    from hyco.loading import read_json
+    from hyco.base.loading import read_json
 
     if Path(check_dir).is_file():
         raise HycoError(f"CHECK_DIR must be a check folder, got a file: {check_dir} (its folder: {Path(check_dir).parent})")
@@ -505,7 +505,8 @@ def project(check_dir: Path, out: Path, *, network_name: str | None = None, rtt_
     own tables (`baseline`), what changed (`what_if`) and each figure before and after (`change`).
     Writes OUT/projection.json, projection.md and figure1.png (through a temp folder), and the
     check's server sweep as a server profile to `write_server_profile` when given."""
-    from hyco.artifacts import atomic_dir, write_json
+    from hyco.base.files import write_json
+    from hyco.pipeline.artifacts import atomic_dir
 
     phone_ms = phone_ms or {}
     require_sensible(rtt_ms=rtt_ms, up_mbps=up_mbps, down_mbps=down_mbps, host_ms=host_ms, **phone_ms)

@@ -8,8 +8,9 @@ from typing import Any
 from hyco.runtime_check.costs import INPUTS, plot_figure1
 from hyco.runtime_check.costs import markdown as costs_markdown
 
-from hyco import verdict
-from hyco.artifacts import StageEnd, finish_stage, markdown_table, write_json
+from hyco.base.files import write_json
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import StageEnd, finish_stage, markdown_table
 
 # Paper, Table 2 (SB-480, Gemma 4 26B-A4B with its real drafters). Shown in a table of its own:
 # the fixture's models are tiny distilled stand-ins, so their MATs are not comparable with these.
@@ -290,7 +291,7 @@ def _blank(value):
 
 
 def _plot(path: Path, results: dict[str, dict]) -> None:
-    from hyco.plots import save
+    from hyco.pipeline.plots import save
 
     save(check_figure(results), path, dpi=100)
 
@@ -301,7 +302,7 @@ ROWS_AT_LEAST = 6  # a check of one or two configurations keeps bars of the usua
 def check_figure(results: dict[str, dict]):
     """check.png: MAT with its 95% interval, where the accepted draft tokens came from, and MTP chain
     acceptance per depth. One horizontal bar per configuration, so a dozen names stay legible."""
-    from hyco.plots import new_figure
+    from hyco.pipeline.plots import new_figure
 
     names = list(results)
     # the height grows with the configurations, a row of bars each
@@ -315,7 +316,7 @@ def check_figure(results: dict[str, dict]):
 
 
 def _mat_bars(ax, names: list[str], results: dict[str, dict]) -> None:
-    from hyco.plots import HIGHER, better, measured, number
+    from hyco.pipeline.plots import HIGHER, better, measured, number
 
     mats = [number(results[n].get("mat")) for n in names]
     intervals = [_mat_interval(results[n]) for n in names]
@@ -355,7 +356,7 @@ SOURCES = {"chain": ("tab:green", "MTP chain"), "sibling": ("tab:orange", "chain
 
 
 def _source_bars(ax, names: list[str], results: dict[str, dict]) -> None:
-    from hyco.plots import legend_outside, measured, number
+    from hyco.pipeline.plots import legend_outside, measured, number
 
     rows = range(len(names))
     left = [0.0] * len(names)
@@ -375,7 +376,7 @@ def _source_bars(ax, names: list[str], results: dict[str, dict]) -> None:
 
 
 def _chain_lines(ax, names: list[str], results: dict[str, dict]) -> None:
-    from hyco.plots import HIGHER, better, legend_outside, number
+    from hyco.pipeline.plots import HIGHER, better, legend_outside, number
 
     markers = "osD^v<>ph*"
     depth = 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hyco.errors import HycoError
-from hyco.recipe import Recipe, to_dict
-from hyco.stages import stage_dir
+from hyco.base.errors import HycoError
+from hyco.config.recipe import Recipe, to_dict
+from hyco.pipeline.stages import stage_dir
 
 
 def phone_shapes(recipe: Recipe) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str]
     paths = inputs(recipe, run_dir)
     if recipe.check.backend == "qnn" and (paths["convert"] / "bundle.json").is_file():
         # a bundle built for another SoC than the recipe's is refused (run_check says when there is none)
-        from hyco.bundle import verify_bundle
+        from hyco.qnn.bundle import verify_bundle
 
         verify_bundle(paths["convert"], recipe.export.soc_model)
     return run_check(verifier=paths["verifier"], assistant=paths.get("assistant"), slm=paths["slm"],

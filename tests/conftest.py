@@ -25,7 +25,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 if "HYCO_CACHE" not in os.environ:
     os.environ["HYCO_CACHE"] = tempfile.mkdtemp(prefix="hyco-test-cache-")
 
-# No hub is reachable from the tests, as from where the tool runs. hyco/chat.py sets these two
+# No hub is reachable from the tests, as from where the tool runs. hyco/data/chat.py sets these two
 # before it imports `datasets`, but huggingface_hub reads them once, at its own import: in a test
 # session transformers has imported it long before, and an unknown dataset then retried the
 # network for 23 s (tests/test_preflight.py) before it was refused. Set before anything imports it.
@@ -129,7 +129,7 @@ def _ladder_process(out: Path) -> subprocess.Popen:
     """The ladder's run, as a user runs it, in its own process: tests/test_console.py reads what it printed."""
     from ladder import run_args
 
-    return subprocess.Popen([sys.executable, "-m", "hyco.cli", *run_args(out)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "hyco.pipeline.cli", *run_args(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -211,8 +211,8 @@ def _calibrated_run(family: dict, run_dir: Path, calibrate: list[str]) -> Path:
     """The ladder's vocab..calibrate on `family`, with the `calibrate` overrides last."""
     from ladder import LADDER, RECIPE
 
-    from hyco.pipeline import run_recipe
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
+    from hyco.pipeline.run import run_recipe
 
     models = [f"models.{k}={v}" for k, v in family.items()]
     recipe = load_recipe(RECIPE, [*models, *LADDER, "stages=[vocab,answers,convert,qat,calibrate]", *calibrate])
@@ -239,7 +239,7 @@ def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
     near-ties of most top-k entries."""
     from hyco.export.stage import export
 
-    from hyco.recipe import ExportConfig
+    from hyco.config.recipe import ExportConfig
 
     run_dir = _calibrated_run(tiny_family_distilled, tmp_path_factory.mktemp("distilled"),
                               ["calibrate.eval_prompts=2", "calibrate.htp_check=true", "calibrate.simulator_passes=1",

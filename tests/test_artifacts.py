@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hyco.artifacts import atomic_dir, manifest_matches, peak_rss_mb, run_stage, stage_key
+from hyco.base.memory import peak_rss_mb
+from hyco.pipeline.artifacts import atomic_dir, manifest_matches, run_stage, stage_key
 
 
 def _build(files):
@@ -133,7 +134,7 @@ def test_half_written_temp_is_not_adopted(tmp_path):
 
 
 def test_refused_build_removes_the_folders_it_created(tmp_path):
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
 
     def refuse(tmp):
         raise HycoError("bad input")
@@ -163,7 +164,7 @@ def test_safetensors_metadata_order_is_made_reproducible(tmp_path):
         subprocess.run([sys.executable, "-c", code, str(out / "t.safetensors")], check=True)
         raw.add((out / "t.safetensors").read_bytes())
     assert len(raw) > 1, "safetensors now writes metadata in a fixed order; canonicalize_safetensors can go"
-    from hyco.artifacts import canonicalize_safetensors
+    from hyco.pipeline.artifacts import canonicalize_safetensors
 
     canon = set()
     for i in range(6):
@@ -181,12 +182,12 @@ def test_safetensors_metadata_order_is_made_reproducible(tmp_path):
 def test_file_digests_read_each_file_once_and_see_rewrites(tmp_path, monkeypatch):
     import hashlib
 
-    import hyco.artifacts as artifacts
+    import hyco.base.files as base_files
 
     read = []
-    real = artifacts.sha256_file
-    monkeypatch.setattr(artifacts, "sha256_file", lambda p: read.append(Path(p).name) or real(p))
-    monkeypatch.setattr(artifacts, "_digests", {})
+    real = base_files.sha256_file
+    monkeypatch.setattr(base_files, "sha256_file", lambda p: read.append(Path(p).name) or real(p))
+    monkeypatch.setattr(base_files, "_digests", {})
     files = []
     for i, size in enumerate((5, 3 << 20, 0, 70_000)):
         files.append(tmp_path / f"f{i}.bin")
@@ -194,16 +195,16 @@ def test_file_digests_read_each_file_once_and_see_rewrites(tmp_path, monkeypatch
     os.link(files[1], tmp_path / "link.bin")  # a hard link: the same bytes, read once
     paths = [*files, tmp_path / "link.bin"]
     want = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
-    assert artifacts.file_digests(paths) == want
+    assert base_files.file_digests(paths) == want
     assert len(read) == 4 and {"f0.bin", "f2.bin", "f3.bin"} < set(read)  # f1.bin or its link, once
-    assert artifacts.file_digests(paths[::-1]) == want[::-1] and len(read) == 4  # listed again: not read again
+    assert base_files.file_digests(paths[::-1]) == want[::-1] and len(read) == 4  # listed again: not read again
     files[0].write_bytes(b"other")  # rewritten (a new mtime): read again
     os.utime(files[0], ns=(1, 1))
-    assert artifacts.file_digests([files[0]]) == [hashlib.sha256(b"other").hexdigest()] and read[-1] == "f0.bin"
+    assert base_files.file_digests([files[0]]) == [hashlib.sha256(b"other").hexdigest()] and read[-1] == "f0.bin"
 
 
 def test_only_json_that_may_hold_measured_keys_is_parsed():
-    from hyco.artifacts import _MEASURED_KEY, _may_hold_measured
+    from hyco.pipeline.artifacts import _MEASURED_KEY, _may_hold_measured
 
     for key in ("wall_s", "peak_rss_mb", "drafter_ms_per_round", "s_per_pass"):
         assert _MEASURED_KEY.search(key) and _may_hold_measured(json.dumps({"a": {key: 1}}).encode())
@@ -212,7 +213,7 @@ def test_only_json_that_may_hold_measured_keys_is_parsed():
 
 
 def test_manifest_names_nondeterministic_outputs_and_why(tmp_path):
-    from hyco.artifacts import declare_nondeterministic
+    from hyco.pipeline.artifacts import declare_nondeterministic
 
     def build(tmp):
         (tmp / "report.json").write_text(json.dumps({"mat": 1.5, "wall_s": 3.2, "graphs": {"a.onnx": {"finalize_s": 1}},
@@ -242,7 +243,7 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents():
     fails this on Linux: subprocess starts children with vfork and exec keeps the parent's mark."""
     ballast = bytearray(600 * 2**20)
     ballast[:: 4096] = b"x" * len(ballast[:: 4096])  # touch every page, so it is resident
-    code = "from hyco.artifacts import peak_rss_mb; print(peak_rss_mb())"
+    code = "from hyco.pipeline.artifacts import peak_rss_mb; print(peak_rss_mb())"
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert peak_rss_mb() > 600
     assert 1 < child < 300, f"child reported {child:.0f} MiB"
@@ -282,7 +283,7 @@ def test_peak_rss_never_reads_lower_than_before(monkeypatch):
     """VmHWM lags (the kernel folds the current RSS into its high-water mark lazily): a second
     read 0.1 MiB lower must not make a phase's 'peak so far' fall (a tiny calibrate's phases
     read 784.8 then 784.7 MiB)."""
-    import hyco.artifacts as artifacts
+    import hyco.base.memory as memory
 
     reads = iter([1_000_000, 999_900, 1_200_000])  # kB, as /proc/self/status gives them
 
@@ -293,25 +294,25 @@ def test_peak_rss_never_reads_lower_than_before(monkeypatch):
         def read_text(self):
             return f"Name:\tpython\nVmHWM:\t{next(reads)} kB\n"
 
-    monkeypatch.setattr(artifacts, "_highest_rss_mb", (os.getpid(), 0.0))
-    monkeypatch.setattr(artifacts, "Path", Status)
-    assert [artifacts.peak_rss_mb() for _ in range(3)] == [1_000_000 / 1024, 1_000_000 / 1024, 1_200_000 / 1024]
+    monkeypatch.setattr(memory, "_highest_rss_mb", (os.getpid(), 0.0))
+    monkeypatch.setattr(memory, "Path", Status)
+    assert [memory.peak_rss_mb() for _ in range(3)] == [1_000_000 / 1024, 1_000_000 / 1024, 1_200_000 / 1024]
 
 
 def test_a_waited_child_s_peak_counts_in_this_process_s(monkeypatch):
-    import hyco.artifacts as artifacts
+    import hyco.base.memory as memory
 
-    monkeypatch.setattr(artifacts, "_highest_rss_mb", (os.getpid(), 0.0))
-    own = artifacts.peak_rss_mb()
-    artifacts.note_child_peak(10_000.0)
-    assert artifacts.peak_rss_mb() >= 10_000.0 + artifacts.rss_mb() * 0.5 > own
+    monkeypatch.setattr(memory, "_highest_rss_mb", (os.getpid(), 0.0))
+    own = memory.peak_rss_mb()
+    memory.note_child_peak(10_000.0)
+    assert memory.peak_rss_mb() >= 10_000.0 + memory.rss_mb() * 0.5 > own
 
 
 def test_a_child_s_peak_counts_with_the_parent_s_rss_from_before_it_ran(monkeypatch):
     """Workers that ran while this process held more than it holds now: their peaks add to the
-    larger of the two (hyco.workers passes the RSS it had when they started)."""
-    import hyco.artifacts as artifacts
+    larger of the two (hyco.base.workers passes the RSS it had when they started)."""
+    import hyco.base.memory as memory
 
-    monkeypatch.setattr(artifacts, "_highest_rss_mb", (os.getpid(), 0.0))
-    artifacts.note_child_peak(1_000.0, parent_mb=50_000.0)
-    assert artifacts.peak_rss_mb() == 51_000.0
+    monkeypatch.setattr(memory, "_highest_rss_mb", (os.getpid(), 0.0))
+    memory.note_child_peak(1_000.0, parent_mb=50_000.0)
+    assert memory.peak_rss_mb() == 51_000.0

@@ -1,7 +1,7 @@
 """Fuzzing every stage's inputs: each bad input ends with one line on stderr naming the file (and
 the tensor), exit status 2, and nothing written: no OUT folder, no temp folder beside it.
 
-All reads go through hyco/loading.py, which turns the libraries' own errors (SafetensorError,
+All reads go through hyco/base/loading.py, which turns the libraries' own errors (SafetensorError,
 OSError, JSONDecodeError, transformers' warnings about missing or misshapen weights) into that
 one line. Cases tried (stage: input: corruption -> what the line says):
 
@@ -57,7 +57,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hyco.cli import main
+from hyco.pipeline.cli import main
 
 SHARD_VERIFIER = "model-00003-of-00005.safetensors"
 O_PROJ = "model.layers.0.self_attn.o_proj"
@@ -149,7 +149,7 @@ def vocab_dir(tiny_text_family, tmp_path_factory) -> Path:
     """A valid vocab stage folder on the tiny tokenizer (small counts: seconds)."""
     from hyco.vocab.stage import build_vocab
 
-    from hyco.recipe import DatasetConfig, VocabConfig
+    from hyco.config.recipe import DatasetConfig, VocabConfig
 
     out = tmp_path_factory.mktemp("vocab")
     build_vocab(tokenizer=tiny_text_family["tokenizer"], dataset=DatasetConfig(schema="sharegpt"),
@@ -162,7 +162,8 @@ def vocab_dir(tiny_text_family, tmp_path_factory) -> Path:
 def answers_dir(tiny_text_family, vocab_dir, tmp_path_factory) -> Path:
     """A valid answers stage folder: the corpus's own answers to vocab_dir's prompts (no model run)."""
     from hyco.answers.stage import make_answers
-    from hyco.recipe import AnswersConfig
+
+    from hyco.config.recipe import AnswersConfig
 
     out = tmp_path_factory.mktemp("answers")
     make_answers(verifier=tiny_text_family["verifier"], tokenizer=tiny_text_family["tokenizer"], vocab=vocab_dir,
@@ -311,7 +312,7 @@ def test_qat_truncated_shard_in_a_fresh_process(tiny_text_family, vocab_dir, ans
     fam = _copy_family({k: tiny_text_family[k] for k in ("verifier", "assistant", "tokenizer")}, tmp_path)
     _cut(fam["verifier"] / SHARD_VERIFIER)
     out = tmp_path / "out" / "qat"
-    done = subprocess.run([sys.executable, "-m", "hyco.cli", "qat", "--verifier", str(fam["verifier"]),
+    done = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "qat", "--verifier", str(fam["verifier"]),
                            "--assistant", str(fam["assistant"]), "--tokenizer", str(fam["tokenizer"]),
                            "--vocab", str(vocab_dir), "--answers", str(answers_dir), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -431,8 +432,8 @@ def test_run_leaves_no_out_folder_when_its_first_stage_refuses_input(tiny_text_f
 
 def test_loading_scale_checks_name_the_tensor(tmp_path):
     """check_scales on its own: activation scales may be 0 (off), weight scales may not."""
-    from hyco.errors import HycoError
-    from hyco.loading import check_scales, checkpoint_files
+    from hyco.base.errors import HycoError
+    from hyco.base.loading import check_scales, checkpoint_files
 
     folder = tmp_path / "ck"
     folder.mkdir()

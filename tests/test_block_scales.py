@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hyco.cli import main
-from hyco.gemma_quant import bits_for_module, dequantize, pack, quantize_rows, unpack
+from hyco.formats.gemma_quant import bits_for_module, dequantize, pack, quantize_rows, unpack
+from hyco.pipeline.cli import main
 
 TABLE = "model.embed_tokens_per_layer"
 
@@ -87,7 +87,7 @@ def test_block_scaled_rows_equal_ints_times_the_block_scale(block):
     ids = np.array([0, 3, 17, 400, 4095])
     packed = tensors[f"{TABLE}.embedding_quantized"].numpy()[ids]
     scale = tensors[f"{TABLE}.embedding_scale"].numpy()[ids]
-    from hyco.host import unpack_ints  # the numpy reader, independent of transformers
+    from hyco.npu.host import unpack_ints  # the numpy reader, independent of transformers
 
     want = unpack_ints(packed, bits, layers * width).astype(np.float32) * np.repeat(scale, width, axis=-1)
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_check_loader_takes_the_block_scales(block):
 
 @pytest.mark.slow  # a conversion with the traced parity checks
 def test_convert_keeps_the_block_scaled_lut_and_passes_parity(block, tmp_path):
-    from hyco.host import EmbeddingLut
+    from hyco.npu.host import EmbeddingLut
 
     out = tmp_path / "out"
     assert main(["convert", "--checkpoint", str(block), "--out", str(out), "--rows", "5", "--prefill-chunk", "4",

@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bridge_models import byte_level_tokenizer, tiny_llama  # noqa: E402
 from runtime_models import tiny_gemma4  # noqa: E402
 
-from hyco.errors import HycoError  # noqa: E402
+from hyco.base.errors import HycoError  # noqa: E402
+from hyco.config.recipe import CheckConfig  # noqa: E402
 from hyco.fixtures.tokenizer import read_training_text  # noqa: E402
-from hyco.recipe import CheckConfig  # noqa: E402
 from hyco.runtime import bridge as bridge_rules  # noqa: E402
 from hyco.runtime.bridge import SlmContext, TokenBridge, encode, stable_tokens  # noqa: E402
 from hyco.runtime.configs import decode_config  # noqa: E402

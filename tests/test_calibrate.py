@@ -22,11 +22,11 @@ from hyco.calibrate import prepare
 from hyco.calibrate.masks import MaskStats, choose_mask, masked_mass
 from hyco.calibrate.quantize import weights_bitexact
 
-from hyco.artifacts import Phases
-from hyco.errors import HycoError
-from hyco.grids import grid_range
-from hyco.io_spec import read_io_spec
-from hyco.ort import ort_session
+from hyco.base.errors import HycoError
+from hyco.npu.io_spec import read_io_spec
+from hyco.pipeline.artifacts import Phases
+from hyco.qnn.ort import ort_session
+from hyco.quant.grids import grid_range
 
 GRAPHS = ("tree.qdq.onnx", "mtp_step.qdq.onnx")  # the ladder's: export.slm_graphs tree-only, the tree graph prefills
 
@@ -270,7 +270,7 @@ def test_mtp_policy_keeps_qats_grids_and_puts_the_mask_on_calibrates(tiny_calibr
     from hyco.calibrate.quantize import mask_qparams
     from hyco.calibrate.stage import MTP_POLICY, PolicyInputs, apply_policy, moved_copies
 
-    from hyco.io_spec import Role, role_of
+    from hyco.npu.io_spec import Role, role_of
 
     qat = tiny_calibrated / "qat"
     prepared, grids = prepare.prepare_mtp(onnx.load(str(qat / "mtp_step.onnx")))
@@ -450,8 +450,8 @@ def test_every_concat_moves_codes_or_holds_its_inputs(tiny_calibrated):
     a grid holding them all. Every graph has Concats of both kinds (K/V ring + new rows; rotary)."""
     from hyco.calibrate.quantize import _uint16_grid_of
 
-    from hyco.grids import grid_range
-    from hyco.onnx_graph import consumers as graph_consumers
+    from hyco.quant.grids import grid_range
+    from hyco.quant.onnx_graph import consumers as graph_consumers
 
     out = tiny_calibrated / "calibrate"
     for name in ("tree.qdq.onnx",):
@@ -504,7 +504,7 @@ def test_a_tanh_the_rewrites_leave_is_refused_with_the_graph_and_node_named():
     would meet the HTP's 16-row trap, so preparation refuses the graph, naming it and the node."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
 
     nodes = [helper.make_node("Tanh", ["x"], ["t"], name="odd_tanh"), helper.make_node("Mul", ["t", "c"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 4])],
@@ -608,7 +608,7 @@ def test_simulator_agrees_with_cpu_within_the_bound_undistilled(tiny_calibrated,
     from hyco.calibrate import evaluate, htp
     from hyco.calibrate.stage import MTP_GRAPH, OUT_NAMES, check_inputs, htp_checks
 
-    from hyco.recipe import CalibrateConfig
+    from hyco.config.recipe import CalibrateConfig
 
     if reason := htp.qnn_available():
         pytest.skip(reason)
@@ -644,7 +644,7 @@ def test_slm_sqnr_from_the_fidelity_sessions_equals_fresh_sessions(tiny_calibrat
     from hyco.calibrate import evaluate
     from hyco.calibrate.stage import PARITY_NAMES, SLM_GRAPHS, check_inputs
 
-    from hyco.recipe import CalibrateConfig
+    from hyco.config.recipe import CalibrateConfig
 
     run = tiny_calibrated
     out = run / "calibrate"
@@ -695,7 +695,7 @@ def test_simulator_agrees_with_cpu_within_the_bound_distilled(tiny_export_distil
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "hyco.cli", "calibrate", *map(str, args), "--no-htp-check"],
+    return subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "calibrate", *map(str, args), "--no-htp-check"],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -742,7 +742,7 @@ def test_calibrate_sessions_run_without_the_cpu_memory_arena(tiny_calibrated, mo
     weights) and grows pass after pass; calibrate's sessions turn it off and compute the same."""
     from hyco.calibrate.drive import Recorder, cpu_session, slm_driver
 
-    from hyco.keepset import load_keep_set
+    from hyco.data.keepset import load_keep_set
 
     convert = Path(tiny_calibrated) / "convert"
     sess, default = cpu_session(convert / "tree.onnx"), ort_session(convert / "tree.onnx")
@@ -785,7 +785,7 @@ def test_spilled_recording_reads_back_what_the_in_memory_one_holds(tiny_calibrat
     recording that kept them replayed the final ring for every pass)."""
     from hyco.calibrate.drive import SpilledPasses, lockstep, slm_driver
 
-    from hyco.keepset import load_keep_set
+    from hyco.data.keepset import load_keep_set
 
     convert = Path(tiny_calibrated) / "convert"
     keep = np.asarray(load_keep_set(Path(tiny_calibrated) / "vocab" / "keep_set.json").token_ids)
@@ -831,7 +831,7 @@ def _augmented(model: onnx.ModelProto, folder: Path) -> Path:
 def _taps_as_constants_agree(path: Path, feeds: list[dict]) -> int:
     from hyco.calibrate.ort_patches import constant_weight_taps
 
-    from hyco.ort import session_for
+    from hyco.qnn.ort import session_for
 
     model = onnx.load(str(path), load_external_data=False)
     replaced = constant_weight_taps(model, path.parent)
@@ -907,7 +907,7 @@ def test_packed_int4_calibration_writes_onnxruntimes_graph_on_the_tiny_family(ti
     differ in their last bits; tests/test_int4_matmul.py holds them to the fp32 summation bound."""
     from hyco.calibrate.quantize import quantize_graph
 
-    import hyco.ort as ort_module
+    import hyco.qnn.ort as ort_module
 
     fused = []
     real = ort_module.fuse_int4_matmuls
@@ -1029,7 +1029,7 @@ def test_a_replayed_script_drives_a_graph_as_lockstep_does(tiny_calibrated, tmp_
     a replay that drew its own commits or built its own trees would record other passes."""
     from hyco.calibrate.drive import cpu_session, lockstep, slm_driver
 
-    from hyco.keepset import load_keep_set
+    from hyco.data.keepset import load_keep_set
 
     run = Path(tiny_calibrated)
     convert = run / "convert"
@@ -1104,7 +1104,7 @@ def test_weights_bitexact_catches_one_changed_nibble_or_scale_bit(n, k):
     """The proof compares INT4 weights as packed bytes where both dims are even (the other one
     transposed nibble by nibble first), else unpacked (issue 13): either way one changed nibble,
     in either layout, or one changed scale bit fails it, naming the weight."""
-    from hyco.int4 import pack_int4
+    from hyco.formats.int4 import pack_int4
 
     rng = np.random.default_rng(0)
     ints = rng.integers(-8, 8, (n, k)).astype(np.int8)  # [out, in]

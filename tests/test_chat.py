@@ -1,4 +1,4 @@
-"""hyco.chat: both schemas, every source kind, truncated files, bad records."""
+"""hyco.data.chat: both schemas, every source kind, truncated files, bad records."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hyco.chat import PACKAGED, Conversation, TruncatedWarning, iter_conversations
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
+from hyco.data.chat import PACKAGED, Conversation, TruncatedWarning, iter_conversations
 
 RECORDS = [
     {"id": "a", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
@@ -95,7 +95,7 @@ def test_dataset_in_the_hf_cache_is_read_offline(tmp_path):
     prepared = next((cache / "org___tiny_chat").glob("default-*"))
     shutil.move(prepared, prepared.parent / "default")
     (tmp_path / "train_sft.parquet").unlink()  # only the cache is left
-    code = ("import json; from hyco.chat import iter_conversations; "
+    code = ("import json; from hyco.data.chat import iter_conversations; "
             "print(json.dumps([[c.id, c.turns] for c in iter_conversations('org/tiny_chat', split='train_sft')]))")
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -40,7 +40,7 @@ def check_report(run_dir: Path, family: dict, bundle: Path, out: Path, configs: 
     from hyco.runtime_check.stage import phone_shapes
     from ladder import LADDER
 
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml",
                          [*LADDER, "check.backend=onnxruntime", "check.prompts=3", "check.max_new_tokens=24",
@@ -103,7 +103,7 @@ class TeeGraph:
 @pytest.mark.slow
 def test_the_torch_executor_runs_check_as_onnxruntime_does(tiny_export_distilled, tiny_family_distilled, tmp_path,
                                                           monkeypatch):
-    """check.deployed_executor torch (hyco/qdq_torch.py, on the CPU here) against onnxruntime CPU
+    """check.deployed_executor torch (hyco/quant/qdq_torch.py, on the CPU here) against onnxruntime CPU
     on the bundle's own QDQ graphs, HyCo's tree (both drafters) over the check's real feeds.
 
     Not bit-exact: onnxruntime's ReduceMean sums in Eigen's order (which varies with the CPU's
@@ -113,8 +113,8 @@ def test_the_torch_executor_runs_check_as_onnxruntime_does(tiny_export_distilled
     log-probs within 0.1 nats (seen: 0.052, on a prefill pass; the HTP is held to 0.2-1.2 nats
     by smoke), the MTP's h within 1% of its largest value (seen: 0.02%). Where no id or code
     differed, the drafts were the same, so the MAT and every acceptance figure must be equal."""
-    from hyco.ort import ort_session
-    from hyco.qdq_torch import TorchGraph
+    from hyco.qnn.ort import ort_session
+    from hyco.quant.qdq_torch import TorchGraph
     from hyco.runtime import qnn_backend
 
     run_dir, bundle = tiny_export_distilled
@@ -128,7 +128,7 @@ def test_the_torch_executor_runs_check_as_onnxruntime_does(tiny_export_distilled
     by_ort = check_report(run_dir, tiny_family_distilled, bundle, tmp_path / "ort", ["hyco"],
                           "check.deployed_executor=onnxruntime")
     runner = by_torch["settings"]["backends"]["slm"]
-    assert "torch on cpu (hyco/qdq_torch.py)" in runner and all(f"{g} eager" in runner for g in ("tree", "prefill", "mtp_step"))
+    assert "torch on cpu (hyco/quant/qdq_torch.py)" in runner and all(f"{g} eager" in runner for g in ("tree", "prefill", "mtp_step"))
     assert "onnxruntime CPU" in by_ort["settings"]["backends"]["slm"]
     names = {name for name, *_ in log}
     assert {"topk_indices", "topk_ids", "next_hidden"} <= names and any(n.startswith("new_k") for n in names)

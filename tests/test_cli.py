@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from hyco.cli import build_parser, main
-from hyco.stages import STAGES
+from hyco.pipeline.cli import build_parser, main
+from hyco.pipeline.stages import STAGES
 
 
 def _subcommands():
@@ -50,8 +50,8 @@ def test_every_stage_with_a_proof_takes_the_one_failure_flag():
 def test_every_stage_subcommand_takes_its_recipe_section_through_set():
     """Defaults live in the recipe dataclasses: a stage subcommand's flags and `--set section.key=value`
     build the same typed, checked config a recipe file's section does."""
-    from hyco.errors import HycoError
-    from hyco.recipe import CalibrateConfig, ExportConfig, section_config
+    from hyco.base.errors import HycoError
+    from hyco.config.recipe import CalibrateConfig, ExportConfig, section_config
 
     parser = build_parser()
     choices = next(a for a in parser._actions if a.dest == "command").choices
@@ -69,7 +69,7 @@ def test_every_stage_subcommand_takes_its_recipe_section_through_set():
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "hyco.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "run" in out.stdout
 
 
@@ -117,7 +117,7 @@ def test_every_scalar_recipe_key_is_a_flag_of_its_stage(command):
     import dataclasses
     import typing
 
-    from hyco.recipe import Recipe, field_help
+    from hyco.config.recipe import Recipe, field_help
 
     hints = typing.get_type_hints(Recipe)
     dests = {a.dest: a for a in _stage_parser(command)._actions}
@@ -179,7 +179,7 @@ def test_every_recipe_field_has_its_comment():
     """A field's comment is its flag's help and the recipe reader's documentation: one text."""
     import dataclasses
 
-    from hyco.recipe import CheckConfig, TimingConfig, WorkloadConfig, field_help
+    from hyco.config.recipe import CheckConfig, TimingConfig, WorkloadConfig, field_help
 
     assert field_help(TimingConfig)["phone_bandwidth_gbs"].startswith("The weight floor's memory bandwidth")
     assert field_help(CheckConfig)["chain_depth"] == "K"
@@ -195,7 +195,7 @@ def test_the_cli_runs_offline_before_any_hub_library_is_imported():
     import subprocess
     import sys
 
-    probe = ("import sys; from hyco.cli import main; main(['recipes']); print('torch' in sys.modules); "
+    probe = ("import sys; from hyco.pipeline.cli import main; main(['recipes']); print('torch' in sys.modules); "
              "import huggingface_hub.constants as c, datasets.config as d; "
              "print(c.HF_HUB_OFFLINE, d.HF_DATASETS_OFFLINE)")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | {"HF_DATASETS_OFFLINE": "0"}

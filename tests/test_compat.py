@@ -9,8 +9,8 @@ import io
 import pytest
 import torch
 
-from hyco import compat_torch, compat_transformers
-from hyco.gemma_quant import int_range, pack, unpack
+from hyco.base import compat_torch, compat_transformers
+from hyco.formats.gemma_quant import int_range, pack, unpack
 
 
 def test_rms_norm_eps_is_read_from_the_installed_gemma4_norm():
@@ -141,7 +141,7 @@ def test_a_small_graph_runs_on_one_thread_with_the_same_outputs(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from hyco import ort as hyco_ort
+    from hyco.qnn import ort as hyco_ort
 
     def graph(n: int) -> onnx.ModelProto:
         w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), "w")
@@ -179,8 +179,8 @@ def test_the_deployed_graphs_compute_the_same_on_one_thread_as_on_every_core(lad
     import numpy as np
     import onnx
 
-    from hyco import ort as hyco_ort
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
+    from hyco.qnn import ort as hyco_ort
 
     bundle = ladder / "export" / "bundle"
     specs = read_io_spec(bundle / "io_spec.json")

@@ -1,5 +1,5 @@
 """A quiet console: the main job's terminal shows the stage lines, progress and the run summary;
-what the libraries say goes to each stage's `stage.log` (hyco/console.py)."""
+what the libraries say goes to each stage's `stage.log` (hyco/base/console.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import warnings
 
 from ladder import STAGES
 
-from hyco.chat import TruncatedWarning
-from hyco.console import stage_log, terminal
+from hyco.base.console import stage_log, terminal
+from hyco.data.chat import TruncatedWarning
 
 # A line Python's warnings module writes ("file.py:12: FooWarning: ...") and a library's INFO line.
 PY_WARNING = re.compile(r"^.*:\d+: \w*Warning: ", re.M)
@@ -42,7 +42,7 @@ def test_the_main_jobs_terminal_shows_only_our_lines(ladder):
 
 
 def test_stage_log_takes_python_c_level_and_child_output_but_not_our_warnings(tmp_path, capfd):
-    from hyco.cli import _one_line_warnings
+    from hyco.pipeline.cli import _one_line_warnings
 
     log = tmp_path / "stage.log"
     with _one_line_warnings("test"), stage_log(log) as counts:
@@ -71,7 +71,7 @@ def test_known_library_warnings_are_marked_with_why_and_counted_apart(tmp_path):
     it is harmless and counted as known; any other stays an unexplained warning."""
     import logging
 
-    from hyco.console import KNOWN_WARNINGS
+    from hyco.base.console import KNOWN_WARNINGS
 
     log = tmp_path / "stage.log"
     logged = []

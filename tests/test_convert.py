@@ -15,16 +15,16 @@ import onnx
 import pytest
 import torch
 
-from hyco import host
-from hyco.cli import main
-from hyco.recipe import ConvertConfig
+from hyco.config.recipe import ConvertConfig
+from hyco.npu import host
+from hyco.pipeline.cli import main
 
 KEEP_SIZE = 3000
 
 
 def write_keep_set(folder: Path, tokenizer_dir: Path, ids) -> Path:
-    from hyco.artifacts import write_json
-    from hyco.keepset import (
+    from hyco.base.files import write_json
+    from hyco.data.keepset import (
         KEEP_SET,
         KEEP_TO_VOCAB,
         VOCAB_TO_KEEP,
@@ -177,7 +177,7 @@ def _parity_of(out: Path, tiny_family, keep, only: tuple[str, ...]) -> dict:
     from hyco.convert.load import read_checkpoint
     from hyco.convert.stage import run_parity
 
-    from hyco.host import Rope
+    from hyco.npu.host import Rope
 
     return run_parity(read_checkpoint(tiny_family["slm"]), keep, out, None, Rope.from_json(out / "rope.json"),
                       only=only)
@@ -257,7 +257,7 @@ def test_prompt_window_keeps_last_tokens_at_absolute_positions():
 
 
 def test_io_spec_and_rings(converted):
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
 
     specs = read_io_spec(converted["out"] / "io_spec.json")
     tree, prefill = specs["tree.onnx"], specs["prefill.onnx"]
@@ -294,7 +294,7 @@ def test_lut_lookup_matches_quantized_embedding(bits, blocks, tmp_path):
     from safetensors.numpy import save_file
     from transformers.integrations.gemma_quant import QuantizedEmbedding
 
-    from hyco.gemma_quant import pack
+    from hyco.formats.gemma_quant import pack
 
     torch.manual_seed(bits)
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -319,7 +319,7 @@ def test_integer_linear_equals_quantized_linear():
     from hyco.convert.rewrites import integer_linear
     from transformers.integrations.gemma_quant import QuantizedLinear
 
-    from hyco.gemma_quant import pack
+    from hyco.formats.gemma_quant import pack
 
     torch.manual_seed(0)
     for bits in (2, 4, 8):
@@ -342,8 +342,8 @@ def test_int_initializer_from_packed_bytes_equals_unpacked_ints():
     from onnx import numpy_helper
     from transformers.integrations.gemma_quant import QuantizedLinear
 
-    from hyco.gemma_quant import pack
-    from hyco.int4 import pack_int4, unpack_int4
+    from hyco.formats.gemma_quant import pack
+    from hyco.formats.int4 import pack_int4, unpack_int4
 
     torch.manual_seed(0)
     for bits in (2, 4, 8):
@@ -382,7 +382,7 @@ def test_sliced_topk_past_65536_on_onnxruntime(tmp_path):
     input, yet the result must be the exact top-k over 70,000 entries."""
     from hyco.convert.static_model import SlicedTopK
 
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     torch.manual_seed(0)
     x = torch.randn(3, 70_000)
@@ -504,7 +504,7 @@ def test_multimodal_layout_gives_the_same_graph(tiny_text_family, tmp_path):
     a tower tensor, an unused k_proj) converts to the same graph."""
     from hyco.convert.stage import convert
 
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     src = tiny_text_family["slm"]
     extra = {"model.language_model.layers.5.self_attn.k_proj.weight": torch.zeros(16, 32, dtype=torch.int8),
@@ -645,7 +645,7 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_text_family, tmp_path, 
     from onnx import numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor
 
-    from hyco.int4 import unpack_int4
+    from hyco.formats.int4 import unpack_int4
 
     ckpt = read_checkpoint(tiny_text_family["slm"])
     model, text, lm_head = load_model(ckpt)
@@ -723,7 +723,7 @@ def test_cpu_session_dequantizes_each_weight_just_before_its_matmul(converted, g
     outputs (both rewrites) are bit-identical to the plain session's."""
     import onnxruntime as ort
 
-    from hyco.ort import gemm_for_transposed_weights, late_weight_dequant, ort_session
+    from hyco.qnn.ort import gemm_for_transposed_weights, late_weight_dequant, ort_session
 
     path = converted["out"] / graph
     model = onnx.load(str(path), load_external_data=False)
@@ -777,7 +777,7 @@ def test_late_dequant_and_gemm_on_a_calibrator_tapped_weight_and_a_single_row(tm
     kernel for M == 1 and a non-transposed B, so Gemm(transB) would not be bit-identical there."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hyco.ort import gemm_for_transposed_weights, late_weight_dequant, ort_session
+    from hyco.qnn.ort import gemm_for_transposed_weights, late_weight_dequant, ort_session
 
     rng = np.random.default_rng(0)
     ints = rng.integers(-8, 8, (48, 40)).astype(np.int8)
@@ -823,7 +823,7 @@ def test_late_dequant_never_makes_a_weight_wait_for_its_own_descendant():
     (onnxruntime refused such a rewritten full-size calibration graph: 'not acyclic')."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hyco.ort import late_weight_dequant
+    from hyco.qnn.ort import late_weight_dequant
 
     ints = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
     nodes = [helper.make_node("DequantizeLinear", ["w.ints", "w.scale"], ["w"], axis=0),
@@ -844,7 +844,7 @@ def test_convert_reports_what_the_published_file_holds(converted):
     """The parity-on conversion of tests/test_convert.py runs on the published family: the text
     model alone was loaded, and the report names the towers left on disk (bytes from the headers),
     the KV-shared layers' unused k/v and the float projection quantized here."""
-    from hyco.loading import checkpoint_files, tower_tensors
+    from hyco.base.loading import checkpoint_files, tower_tensors
 
     text = "model.language_model."
     report = json.loads((converted["out"] / "report.json").read_text())

@@ -6,7 +6,7 @@ widths, written by the full-size writer (hyco/fixtures/fullsize.py), with the vo
 65,536 rows so the test stays near 30 s (the full 262,144 rows took 5 min under load): 190 MiB of
 safetensors, a 4-bit token table and untied 4-bit output layer of 48 MiB each, the
 2-bit per-layer table, ~70 MiB of layers. convert runs without a keep set, parity off, in a
-child process that reports its own VmHWM (hyco.artifacts.peak_rss_mb) and its RSS after
+child process that reports its own VmHWM (hyco.pipeline.artifacts.peak_rss_mb) and its RSS after
 importing what convert imports; the difference is what convert itself held.
 
 Why 2x the checkpoint's bytes. convert holds the weights once, packed: from_pretrained maps the
@@ -32,7 +32,7 @@ import textwrap
 
 import pytest
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +45,10 @@ CHILD = textwrap.dedent("""
     import onnx, onnx.checker, safetensors, torch, transformers  # what convert imports, before the baseline
     import transformers.integrations.gemma_quant
     from transformers import Gemma4ForCausalLM  # noqa: F401
-    import hyco.convert.export_onnx, hyco.host, hyco.convert.load, hyco.convert.luts, hyco.ort
+    import hyco.convert.export_onnx, hyco.npu.host, hyco.convert.load, hyco.convert.luts, hyco.qnn.ort
     import hyco.convert.rewrites, hyco.convert.stage as stage
-    from hyco.artifacts import peak_rss_mb
-    from hyco.recipe import ConvertConfig
+    from hyco.base.memory import peak_rss_mb
+    from hyco.config.recipe import ConvertConfig
 
     def rss_mb():
         for line in open("/proc/self/status"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hyco.runtime_check.costs import REFERENCE, costs_inputs, project, requests_of, setting_of, tables
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.runtime.configs import decode_config
 from hyco.runtime.decode import DecodeLog, RoundLog
 from hyco.runtime.phone_timing import PhoneTimes, phone_times
@@ -44,7 +44,7 @@ def log(prompt: int, rounds: list[tuple[int, int]], wire: list[int]) -> DecodeLo
 def test_check_rounds_become_the_timing_models_rounds():
     """Rows are the tree's nodes plus the root; the context grows by what each round committed; a
     round's reply carries the verdict and its hand-off (the last round, ended by EOS, none)."""
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
 
     hyco, cloud = decode_config("hyco", CheckConfig()), decode_config("cloud-mtp", CheckConfig())
     (q,) = requests_of([log(50, [(32, 5), (20, 3)], [200])], hyco)
@@ -54,7 +54,7 @@ def test_check_rounds_become_the_timing_models_rounds():
 
 
 def inputs_for(tmp_path: Path) -> dict:
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
 
     configs = [decode_config(n, CheckConfig()) for n in ("hyco", "cloud-mtp", "slm-alone")]
     logs = {"hyco": [log(50, [(32, 5), (32, 4)], [200, 200]), log(80, [(32, 3)], [150])],
@@ -199,7 +199,7 @@ def test_the_main_jobs_check_shows_table2_table11_figure1_and_project_agrees(lad
 def test_the_project_command(tmp_path, capsys):
     """`hyco-convert project` as a user types it: the rows printed and the files written; a folder
     without check's inputs is one line and exit 2."""
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     inputs_for(tmp_path)
     assert main(["project", str(tmp_path), "--out", str(tmp_path / "what-if"), "--slm-ms", "20", "--rtt-ms", "60"]) == 0

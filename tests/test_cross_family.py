@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hyco.errors import HycoError  # noqa: E402
-from hyco.recipe import CheckConfig, DatasetConfig, TimingConfig, WorkloadConfig, load_recipe  # noqa: E402
+from hyco.base.errors import HycoError  # noqa: E402
+from hyco.config.recipe import CheckConfig, DatasetConfig, TimingConfig, WorkloadConfig, load_recipe  # noqa: E402
 
 RECIPES = Path(__file__).parents[1] / "recipes"
 BRIDGED = ["bridge-slm", "bridge-slm-eps", "verifier-alone"]
@@ -70,8 +70,9 @@ def test_bridged_configurations_are_their_own_registry():
 def test_a_verifiers_answer_becomes_the_slms_tokens(cross_verifier, tiny_family):
     """answers for a verifier of another family: its text in the SLM's ids, an unfinished character
     cut, the SLM's end of turn where the verifier ended its turn."""
-    from hyco.answers import translate_answer
-    from hyco.loading import load_tokenizer
+    from hyco.answers.generate import translate_answer
+
+    from hyco.base.loading import load_tokenizer
     from hyco.runtime.bridge import end_of_turn_ids
 
     bpe, slm_tok = load_tokenizer(cross_verifier), load_tokenizer(tiny_family["tokenizer"])
@@ -91,13 +92,14 @@ def test_answers_of_a_verifier_of_another_family_are_its_text_in_the_slms_ids(la
     own chat template's prompt, and the record holds the SLM's prompt and the verifier's text in
     the SLM's ids (what calibrate reads); checked against the verifier's own `generate`."""
     import torch
+    from hyco.answers.generate import translate_answer
+    from hyco.answers.stage import make_answers
     from transformers import AutoModelForCausalLM
 
-    from hyco.answers import prompt_ids, read_answers, translate_answer
-    from hyco.answers.stage import make_answers
-    from hyco.keepset import load_prompts
-    from hyco.loading import load_tokenizer
-    from hyco.recipe import AnswersConfig
+    from hyco.base.loading import load_tokenizer
+    from hyco.config.recipe import AnswersConfig
+    from hyco.data.answers import prompt_ids, read_answers
+    from hyco.data.keepset import load_prompts
 
     config = AnswersConfig(source="greedy", max_new_tokens_train=12, max_new_tokens_eval=12, max_prompt_tokens=48)
     (tmp_path / "answers").mkdir()  # the stage's temp folder, as run_stage makes it
@@ -210,7 +212,7 @@ def test_cloud_head_runs_beside_the_bridge_where_the_verifier_has_one(ladder, tm
 
 
 def test_preflight_takes_a_verifier_of_another_family_only_for_a_bridged_recipe(cross_verifier):
-    from hyco.preflight import check_model
+    from hyco.pipeline.preflight import check_model
 
     assert check_model("verifier", cross_verifier, cross_family=True) > 0
     with pytest.raises(HycoError, match="model_type 'llama' is no registered family"):
@@ -257,7 +259,7 @@ def test_the_tiny_cross_family_recipe_end_to_end(tmp_path):
     through the bridge: exact verification lossless with drafts accepted, MAT, the bridge's costs,
     and Table 2 / 11 against the verifier alone."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "hyco.cli", "run", str(RECIPES / "tiny-cross-family.yaml"),
+    done = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "run", str(RECIPES / "tiny-cross-family.yaml"),
                            "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     calibrate = json.loads((out / "calibrate" / "report.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 
 SHIPPED_SLM = Path(__file__).parents[1] / "hyco" / "fixtures" / "shipped" / "tiny-seed0" / "slm"
 
@@ -18,7 +18,7 @@ SHIPPED_SLM = Path(__file__).parents[1] / "hyco" / "fixtures" / "shipped" / "tin
 @pytest.fixture(scope="module")
 def ct_slm(tmp_path_factory):
     """The shipped undistilled tiny SLM (the ladder's) written again in the -ct layout."""
-    from hyco.ct_format import write_ct
+    from hyco.formats.ct_format import write_ct
 
     out = tmp_path_factory.mktemp("ct") / "slm-ct"
     write_ct(SHIPPED_SLM, out)
@@ -26,13 +26,13 @@ def ct_slm(tmp_path_factory):
 
 
 def test_the_ct_layout_holds_the_checkpoints_ints_and_scales(ct_slm):
-    """compressed-tensors' own unpack of every weight_packed equals hyco/gemma_quant.py's unpack of the
+    """compressed-tensors' own unpack of every weight_packed equals hyco/formats/gemma_quant.py's unpack of the
     -transformers tensor (an independent reader on each side), scales equal, other tensors the same
     bytes under their compressed-tensors names."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors import safe_open
 
-    from hyco.gemma_quant import QatCheckpoint
+    from hyco.formats.gemma_quant import QatCheckpoint
 
     config = json.loads((ct_slm / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
@@ -64,7 +64,7 @@ def test_read_back_the_ct_layout_is_the_transformers_checkpoint_tensor_for_tenso
     -transformers folder is its own layout."""
     from safetensors import safe_open
 
-    from hyco.ct_format import gemma_layout
+    from hyco.formats.ct_format import gemma_layout
 
     monkeypatch.setenv("HYCO_CACHE", str(tmp_path / "cache"))
     folder = gemma_layout(ct_slm)
@@ -85,7 +85,7 @@ def test_a_sharded_checkpoint_keeps_its_shards_both_ways(tmp_path, monkeypatch):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from hyco.ct_format import gemma_layout, write_ct
+    from hyco.formats.ct_format import gemma_layout, write_ct
 
     sharded = tmp_path / "sharded"
     sharded.mkdir()
@@ -123,7 +123,7 @@ def test_convert_writes_the_same_bytes_from_either_layout(ct_slm, ladder, tmp_pa
     from hyco.convert import stage
     from ladder import LADDER, RECIPE
 
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     monkeypatch.setenv("HYCO_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(RECIPE, [*LADDER, f"models.slm={ct_slm}", f"models.tokenizer={ladder / 'fixtures' / 'tokenizer'}"])
@@ -154,7 +154,7 @@ def test_the_check_loads_a_ct_slm_as_the_same_model(ct_slm, tmp_path, monkeypatc
 
 
 def test_preflight_takes_the_ct_format_for_the_slm(ct_slm):
-    from hyco.preflight import check_model
+    from hyco.pipeline.preflight import check_model
 
     assert check_model("slm", ct_slm) > 0
 
@@ -165,7 +165,7 @@ def test_a_ct_checkpoint_that_is_not_the_gemma_format_is_refused_by_name(ct_slm,
 
     from safetensors.torch import load_file, save_file
 
-    from hyco.ct_format import to_gemma
+    from hyco.formats.ct_format import to_gemma
 
     bad = tmp_path / "bad"
     shutil.copytree(ct_slm, bad)

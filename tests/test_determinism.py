@@ -6,7 +6,9 @@ import json
 import shutil
 
 import pytest
-from reruns import differences, fresh_run
+from reruns import fresh_run
+
+from hyco.pipeline.compare import differences
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyco.cli import main
+from hyco.pipeline.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(ROOT.joinpath("recipes").glob("*.yaml"))
@@ -58,7 +58,7 @@ def test_recipes_lists_every_shipped_recipe_with_its_description(capsys):
 
 
 def test_a_variant_does_not_inherit_its_bases_description():
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     assert load_recipe("tiny").description != load_recipe("hyco-gemma-4").description
 
@@ -83,8 +83,8 @@ def test_run_resolves_a_packaged_recipe_by_name_from_any_folder(tiny_by_name):
 
 
 def test_a_name_finds_the_package_and_its_base_and_a_file_wins(tmp_path, monkeypatch):
-    from hyco.errors import HycoError
-    from hyco.recipe import find_recipe, load_recipe
+    from hyco.base.errors import HycoError
+    from hyco.config.recipe import find_recipe, load_recipe
 
     monkeypatch.chdir(tmp_path)
     assert find_recipe("tiny") == find_recipe("tiny.yaml") and find_recipe("tiny").name == "tiny.yaml"
@@ -191,8 +191,8 @@ def test_check_takes_the_recipe_as_run_does_and_the_flag_still(tmp_path, capsys)
 
 
 def test_subcommands_are_listed_whole_recipe_first_then_in_pipeline_order():
-    from hyco.cli import build_parser
-    from hyco.recipe import STAGE_ORDER
+    from hyco.config.recipe import STAGE_ORDER
+    from hyco.pipeline.cli import build_parser
 
     parser = build_parser()
     names = list(next(a for a in parser._actions if a.dest == "command").choices)
@@ -206,9 +206,9 @@ def test_subcommands_are_listed_whole_recipe_first_then_in_pipeline_order():
 
 
 def test_check_help_lists_every_registered_configuration_and_workload(capsys, monkeypatch):
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
+    from hyco.data.workloads import WORKLOADS
     from hyco.runtime.configs import BRIDGE_CONFIGS, CONFIGS, NUMERICS
-    from hyco.workloads import WORKLOADS
 
     text = _help(["check"], capsys, monkeypatch)
     for name in {**CONFIGS, **BRIDGE_CONFIGS}:
@@ -221,7 +221,7 @@ def test_check_help_lists_every_registered_configuration_and_workload(capsys, mo
 
 
 def test_smoke_help_says_how_its_verifier_samples(capsys, monkeypatch):
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
 
     text = _help(["smoke"], capsys, monkeypatch)
     assert "greedy" not in text.lower()
@@ -231,8 +231,8 @@ def test_smoke_help_says_how_its_verifier_samples(capsys, monkeypatch):
 def test_fixtures_help_lists_the_preset_registry(capsys, monkeypatch):
     import typing
 
+    from hyco.config.recipe import FixturesConfig
     from hyco.fixtures.presets import PRESETS
-    from hyco.recipe import FixturesConfig
 
     text = _help(["fixtures"], capsys, monkeypatch)
     listed = text.split("Presets (--preset): ", 1)[1]

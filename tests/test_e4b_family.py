@@ -17,8 +17,8 @@ RECIPE = Path(__file__).parents[1] / "recipes" / "hyco-gemma-4-e4b.yaml"
 def test_the_e4b_recipe_converts_a_family_of_another_shape(tmp_path):
     from ladder import REAL_RECIPE_SIZES, set_args
 
-    from hyco.cli import main
     from hyco.fixtures.cache import cached_family
+    from hyco.pipeline.cli import main
 
     family = cached_family("tiny-e4b")
     config = json.loads((family["slm"] / "config.json").read_text())["text_config"]

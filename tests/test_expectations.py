@@ -103,7 +103,7 @@ def test_every_row_of_the_table_has_a_reader_and_the_tolerance_rule_can_fail():
 @pytest.mark.slow
 def test_the_embedded_default_gives_what_the_readme_says(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run([sys.executable, "-m", "hyco.cli", "run", "tiny"], cwd=tmp_path, env=env,
+    done = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "run", "tiny"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyco.errors import HycoError
-from hyco.recipe import ExportConfig
+from hyco.base.errors import HycoError
+from hyco.config.recipe import ExportConfig
 
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (QNN HTP backend absent)")
 
 
 def test_unknown_soc_and_wrong_arch_are_refused():
-    from hyco.qnn import soc_info
+    from hyco.qnn.contexts import soc_info
 
     assert soc_info(87) == ("SM8850", 81)
     with pytest.raises(HycoError, match="soc_model must be one of .*87 \\(SM8850, v81\\).*but got 99"):
@@ -29,7 +29,7 @@ def test_unknown_soc_and_wrong_arch_are_refused():
 
 
 def test_export_cli_refuses_an_unknown_soc_before_any_work(tmp_path, capsys):
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     args = [x for k in ("calibrate", "convert", "qat", "vocab") for x in (f"--{k}", str(tmp_path))]
     assert main(["export", *args, "--out", str(tmp_path / "out"), "--soc-model", "99"]) == 2
@@ -42,7 +42,7 @@ def test_a_graph_that_would_fall_back_to_cpu_fails_with_the_op_named(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from hyco.qnn import compile_context
+    from hyco.qnn.contexts import compile_context
 
     graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs_ok"),
                                helper.make_node("Det", ["a"], ["y"], name="det_refused")], "g",
@@ -61,8 +61,8 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
     import onnx
     from onnx import TensorProto, helper
 
-    from hyco.artifacts import peak_rss_mb
-    from hyco.qnn import compile_isolated
+    from hyco.base.memory import peak_rss_mb
+    from hyco.qnn.contexts import compile_isolated
 
     def save(name: str, op: str) -> Path:
         graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs_ok"),
@@ -72,10 +72,10 @@ def test_isolated_compile_raises_the_child_s_error_and_counts_its_peak(tmp_path,
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / name)
         return tmp_path / name
 
-    import hyco.artifacts
+    import hyco.base.memory
 
     noted = []
-    monkeypatch.setattr(hyco.artifacts, "note_child_peak", lambda child, parent: noted.append(child))
+    monkeypatch.setattr(hyco.base.memory, "note_child_peak", lambda child, parent: noted.append(child))
     with pytest.raises(HycoError, match="would fall back off the QNN HTP, first Det 'det_node'"):
         compile_isolated(save("det.onnx", "Det"), tmp_path / "out", "det", soc_model=87)
     assert not list((tmp_path / "out").iterdir())
@@ -90,7 +90,7 @@ def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(t
     import onnx
     from onnx import TensorProto, helper
 
-    from hyco.qnn import compile_context, compile_isolated, prepare_options
+    from hyco.qnn.contexts import compile_context, compile_isolated, prepare_options
 
     assert prepare_options(0) == {"enable_htp_prepare_only": "1"}  # QNN's own default
     assert prepare_options(1)["htp_graph_finalization_optimization_mode"] == "1"
@@ -112,9 +112,9 @@ def test_htp_optimization_level_reaches_the_compile_and_bad_levels_are_refused(t
 
 
 def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_export):
-    from hyco.bundle import verify_bundle
-    from hyco.io_spec import read_io_spec
-    from hyco.qnn_system import binary_info
+    from hyco.npu.io_spec import read_io_spec
+    from hyco.qnn.bundle import verify_bundle
+    from hyco.qnn.system import binary_info
 
     bundle, summary = tiny_export
     meta = json.loads((bundle / "bundle.json").read_text())
@@ -170,7 +170,7 @@ def test_export_compiles_every_graph_for_soc_87_and_binaries_match_io_spec(tiny_
 def test_the_installed_qnn_libraries_settle_the_soc_number(chip, number):
     """SM8850 is 87 by the libraries that build and load the binaries; 88, which some sources give for
     it, is SC8480XP there."""
-    from hyco.qnn import settle_soc
+    from hyco.qnn.contexts import settle_soc
 
     settled = settle_soc(chip)
     assert settled["soc_model"] == number
@@ -179,14 +179,14 @@ def test_the_installed_qnn_libraries_settle_the_soc_number(chip, number):
 
 
 def test_an_unknown_chip_name_is_refused():
-    from hyco.qnn import settle_soc
+    from hyco.qnn.contexts import settle_soc
 
     with pytest.raises(HycoError, match="do not know the chip 'SM9999'"):
         settle_soc("SM9999")
 
 
 def test_a_bundle_for_another_soc_is_refused_with_one_line(tiny_export, tiny_family, tmp_path, capsys):
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     bundle, _ = tiny_export
     args = ["smoke", str(bundle), "--verifier", str(tiny_family["verifier"]), "--out", str(tmp_path / "smoke")]
@@ -208,7 +208,7 @@ def test_a_bundle_for_another_soc_is_refused_with_one_line(tiny_export, tiny_fam
 def test_the_check_on_the_htp_refuses_a_bundle_for_another_soc(ladder, tmp_path, capsys):
     from ladder import LADDER, RECIPE, set_args
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     overrides = [*LADDER, "check.backend=qnn", "export.soc_model=69"]  # the ladder's bundle is for 87
     args = ["check", "--recipe", str(RECIPE), "--run-dir", str(ladder), "--out", str(tmp_path / "check"),
@@ -226,13 +226,13 @@ def _tampered(bundle: Path, tmp_path: Path) -> Path:
 
 
 def _smoke_cli(bundle: Path, verifier: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hyco.cli", "smoke", str(bundle), "--verifier", str(verifier),
+    return subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "smoke", str(bundle), "--verifier", str(verifier),
                            "--prompts", "1", "--rounds", "1"], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
 def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, tiny_family, tmp_path):
-    from hyco.artifacts import sha256_file
+    from hyco.base.files import sha256_file
 
     bundle, _ = tiny_export
     meta = json.loads((bundle / "bundle.json").read_text())
@@ -274,15 +274,15 @@ def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
     every part compiles for soc 87 with its I/O as planned."""
     from hyco.export.split import split_graph
 
-    from hyco.bundle import check_binary_io, weight_bytes
-    from hyco.ort import ort_session
-    from hyco.qnn import ChainedSession, compile_context
-    from hyco.qnn_system import binary_info
+    from hyco.qnn.bundle import check_binary_io, weight_bytes
+    from hyco.qnn.contexts import ChainedSession, compile_context
+    from hyco.qnn.ort import ort_session
+    from hyco.qnn.system import binary_info
 
     graph = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
     total = weight_bytes(graph)
     limit = total * 6 // 10
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
 
     parts = split_graph(graph, tmp_path / "parts", limit, read_io_spec(graph.parent / "io_spec.json")[graph.name])
     assert len(parts) >= 2
@@ -314,10 +314,10 @@ def test_parts_compiled_side_by_side_are_the_bytes_compiled_one_at_a_time(tiny_c
     bytes differently, in pairs; the other part was byte for byte equal every time.)"""
     from hyco.export.split import split_graph
 
-    from hyco.artifacts import sha256_file
-    from hyco.bundle import weight_bytes
-    from hyco.io_spec import read_io_spec
-    from hyco.qnn import compile_in_processes
+    from hyco.base.files import sha256_file
+    from hyco.npu.io_spec import read_io_spec
+    from hyco.qnn.bundle import weight_bytes
+    from hyco.qnn.contexts import compile_in_processes
 
     graph = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
     parts = split_graph(graph, tmp_path / "parts", 2 * 1024**3, read_io_spec(graph.parent / "io_spec.json")[graph.name],
@@ -328,7 +328,7 @@ def test_parts_compiled_side_by_side_are_the_bytes_compiled_one_at_a_time(tiny_c
     jobs = [(p, f"tree_part{i}") for i, (p, _) in enumerate(parts)]
     together = compile_in_processes(jobs, tmp_path / "together", soc_model=87, at_once=2)
     alone = compile_in_processes(jobs, tmp_path / "alone", soc_model=87, at_once=1)
-    from hyco.qnn_system import binary_info
+    from hyco.qnn.system import binary_info
 
     for a, b in zip(together, alone, strict=True):
         x, y = np.fromfile(a.binary, np.uint8), np.fromfile(b.binary, np.uint8)
@@ -346,7 +346,7 @@ def test_a_bundle_of_split_slm_graphs_smokes_through_its_chained_parts(tiny_expo
     every part once."""
     from hyco.export.stage import export
 
-    from hyco.bundle import verify_bundle
+    from hyco.qnn.bundle import verify_bundle
 
     run, _ = tiny_export_distilled
     out = tmp_path / "export"
@@ -367,7 +367,7 @@ def test_a_bundle_of_split_slm_graphs_smokes_through_its_chained_parts(tiny_expo
 def test_compiles_side_by_side_only_where_they_fit_in_memory():
     from hyco.export.stage import COMPILE_BYTES_PER_WEIGHT_BYTE, compile_workers
 
-    from hyco.recipe import ExportConfig
+    from hyco.config.recipe import ExportConfig
 
     gib = 1024**3
     weights = [int(gib / COMPILE_BYTES_PER_WEIGHT_BYTE)] * 4  # each compile ~1 GiB
@@ -394,7 +394,7 @@ def test_a_smoke_run_that_disagrees_stops_the_stage_and_nothing_moves_into_place
     here (its comparison is tests/test_smoke.py's)."""
     import hyco.export.smoke as smoke_module
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     calls = []
 
@@ -441,7 +441,7 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     them in one binary, a separate bundle holds the weights twice."""
     from hyco.export.stage import export
 
-    from hyco.bundle import verify_bundle
+    from hyco.qnn.bundle import verify_bundle
 
     run, _ = tiny_export_distilled
     out = tmp_path / "export"
@@ -494,8 +494,8 @@ def test_a_separate_prefill_graph_needs_its_calibration(tiny_calibrated, tmp_pat
 def test_the_footprint_compares_with_the_recipes_targets():
     """Table 3's targets come from the recipe (export.footprint_targets): another model's own
     numbers, only the rows it names; the default is the paper's E2B table."""
-    from hyco.bundle import device_footprint
-    from hyco.recipe import TABLE3_E2B, ExportConfig
+    from hyco.config.recipe import TABLE3_E2B, ExportConfig
+    from hyco.qnn.bundle import device_footprint
 
     graphs = {"tree": {"parts": [{"binary": "tree.bin", "context_blob_bytes": 600}]},
               "prefill": {"parts": [{"binary": "prefill.bin", "context_blob_bytes": 400}]},
@@ -515,8 +515,8 @@ def test_a_binary_over_the_session_budget_is_refused_naming_it_and_nothing_is_mo
     """HTP sessions fail around 3.5-4 GB (export.max_session_bytes): a compiled context above the
     recipe's budget stops the stage with one line naming the part and its bytes, no bundle kept;
     the split target can never exceed the budget."""
-    from hyco.bundle import weight_bytes
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
+    from hyco.qnn.bundle import weight_bytes
 
     tree = tiny_calibrated / "calibrate" / "tree.qdq.onnx"
     weights = weight_bytes(tree)
@@ -545,7 +545,7 @@ def test_a_bundle_over_the_session_budget_together_is_refused_naming_its_context
     context with its bytes and the ways out; nothing is moved into place."""
     import json
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     bundle = json.loads((tiny_calibrated / "export" / "bundle" / "bundle.json").read_text())
     contexts = bundle["footprint"]["resident_per_context"]
@@ -569,8 +569,8 @@ def test_preflight_estimates_the_session_from_the_checkpoints_below_what_ships(t
 
     from ladder import LADDER, RECIPE
 
-    from hyco.preflight import npu_session_estimate, session_over_budget
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
+    from hyco.pipeline.preflight import npu_session_estimate, session_over_budget
 
     fixtures = tiny_calibrated / "fixtures"
     recipe = load_recipe(RECIPE, [*LADDER, f"models.slm={fixtures / 'slm'}", f"models.assistant={fixtures / 'assistant'}"])

@@ -1,4 +1,4 @@
-"""The family registry (hyco/families.py): every stage asks it which checkpoints it converts, so
+"""The family registry (hyco/config/families.py): every stage asks it which checkpoints it converts, so
 a checkpoint of an unregistered family is refused once, in one line listing what is registered."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from hyco.cli import main
-from hyco.errors import HycoError
-from hyco.families import FAMILIES, GEMMA4, architecture, family_of, head_of, registered
+from hyco.base.errors import HycoError
+from hyco.config.families import FAMILIES, GEMMA4, architecture, family_of, head_of, registered
+from hyco.pipeline.cli import main
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64}
 
@@ -18,7 +18,7 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
 def test_each_family_is_whole():
     """Every model type implies an architecture with a layout; every head's step module and
     capture resolve; the graph I/O's layer-type table is the family's."""
-    from hyco.host import SHORT
+    from hyco.npu.host import SHORT
 
     for family in FAMILIES.values():
         assert set(family.architectures.values()) <= set(family.layouts), family.name
@@ -60,7 +60,7 @@ def test_convert_refuses_another_family_naming_the_file(tmp_path, capsys):
 def test_run_refuses_another_family_before_any_stage(tmp_path, capsys):
     """Preflight: models.slm of an unregistered family, and models.family unknown or not the
     checkpoint's, each one line before a stage starts."""
-    from hyco.preflight import check_model
+    from hyco.pipeline.preflight import check_model
 
     folder = _llama_folder(tmp_path / "llama")
     assert main(["run", "recipes/tiny.yaml", "--out", str(tmp_path / "run"), "--set", f"models.slm={folder}",

@@ -96,7 +96,7 @@ def test_calibrate_refuses_a_graph_quantized_on_a_bad_grid(tiny_calibrated, tmp_
     args = [x for k in ("convert", "qat", "vocab", "answers") for x in (f"--{k}", str(run / k))]
     sets = ["calibrate.activation_bits=8", "calibrate.prompts=2", "calibrate.eval_prompts=1",
             "calibrate.max_new_tokens=16", "calibrate.sqnr_passes=2", "calibrate.fidelity_seeds=1"]
-    done = subprocess.run([sys.executable, "-m", "hyco.cli", "calibrate", *args, "--out", str(out), "--no-htp-check",
+    done = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "calibrate", *args, "--out", str(out), "--no-htp-check",
                            *[x for s in sets for x in ("--set", s)]], capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("hyco-convert calibrate:")]

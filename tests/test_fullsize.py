@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.fixtures import fullsize, models, slm
 from hyco.fixtures.presets import get_preset
 from hyco.fixtures.tokenizer import token_layout
-from hyco.gemma_quant import QatCheckpoint, bits_for_module
+from hyco.formats.gemma_quant import QatCheckpoint, bits_for_module
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ WRITE = textwrap.dedent("""
     import json, sys, time
     import torch, transformers  # imported before the baseline is taken: the writer needs both
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM  # noqa: F401
-    from hyco.artifacts import peak_rss_mb
+    from hyco.base.memory import peak_rss_mb
     from hyco.fixtures import fullsize
     from hyco.fixtures.presets import get_preset
 
@@ -64,7 +64,7 @@ def family(tmp_path_factory):
 
 
 def header(folder: Path) -> dict[str, tuple[str, tuple[int, ...], Path]]:
-    from hyco.loading import checkpoint_files
+    from hyco.base.loading import checkpoint_files
 
     return checkpoint_files(folder)
 
@@ -177,8 +177,8 @@ def test_slm_format_follows_the_bit_map(family):
     data = sum(np.dtype(fullsize.NUMPY[d]).itemsize * int(np.prod(s)) for d, s, _ in tensors.values())
     assert index["metadata"]["total_size"] == data
     # the stage's report reads it without loading the model
+    from hyco.config.recipe import FixturesConfig
     from hyco.fixtures.stage import family_report
-    from hyco.recipe import FixturesConfig
 
     report = family_report(family, FixturesConfig(preset="e2b-shapes"))
     assert set(report["slm"]["params_by_bits"]) == {"2", "4", "8"}
@@ -209,7 +209,7 @@ def test_slm_loads_in_transformers_with_plausible_srq_and_kv_scales(family):
     scales clip almost nothing, the KV scales cover K/V."""
     from transformers import AutoTokenizer, DynamicCache
 
-    from hyco.loading import load_pretrained
+    from hyco.base.loading import load_pretrained
 
     model = load_pretrained(family["slm"], "slm", float_checkpoint=False, dtype=torch.float32)
     ckpt = QatCheckpoint(family["slm"])
@@ -267,8 +267,8 @@ def test_float_models_are_bf16_in_transformers_layout(family):
     The assistant is loaded for real; the verifier's 1.5 GB table is checked by header only."""
     from transformers import Gemma4AssistantForCausalLM
 
+    from hyco.base.loading import check_float_checkpoint
     from hyco.fixtures.writer import family_configs
-    from hyco.loading import check_float_checkpoint
 
     configs = family_configs(SMALL)
     for name in ("verifier", "assistant"):
@@ -332,9 +332,9 @@ def test_missing_tokenizer_is_an_error_naming_the_folder(tmp_path, monkeypatch):
 
 
 def test_full_size_presets_refuse_given_weights_and_distillation(tmp_path):
+    from hyco.config.recipe import FixturesConfig
     from hyco.fixtures.stage import checked_preset
     from hyco.fixtures.writer import write_family
-    from hyco.recipe import FixturesConfig
 
     with pytest.raises(HycoError, match="random ints"):
         write_family(tmp_path / "fam", preset="e2b-shapes", sources={"slm": lambda n, s: torch.zeros(s)})

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.integrations import gemma_quant as hf
 
-from hyco.errors import HycoError
-from hyco.gemma_quant import (
+from hyco.base.errors import HycoError
+from hyco.formats.gemma_quant import (
     QatCheckpoint,
     bits_for_module,
     dequantize,

@@ -10,8 +10,8 @@ from hyco.qat.mtp import TeacherForcedHead, teacher_forced_inputs
 from hyco.qat.tiny_models import SLIDING_WINDOW, VOCAB, tiny_assistant, tiny_verifier
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
-from hyco.errors import HycoError
-from hyco.handoff import (
+from hyco.base.errors import HycoError
+from hyco.npu.handoff import (
     attention_masks,
     dequantize_kv_rows,
     embed_tokens,
@@ -152,7 +152,7 @@ def test_past_the_sliding_window_the_handoff_carries_committed_rows_only(models)
     the sequence the verifier processed, rejected candidates included; that is shown here too."""
     from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
     from hyco.runtime.configs import decode_config
     from hyco.runtime.decode import decode
     from hyco.runtime.drafters import MtpChainTorch, TreeDrafter

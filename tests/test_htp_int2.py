@@ -1,6 +1,6 @@
 """Which 2-bit weight encodings the HTP computes right (x86 simulator, soc 87): the same layer of
 ints in [-2, 1] as INT4 per channel (the containers convert writes), INT2 per channel, and INT2 in
-blocks along the input dim (hyco/int2_blocks.py, what export ships by default). INT2 per channel
+blocks along the input dim (hyco/quant/int2_blocks.py, what export ships by default). INT2 per channel
 comes out wrong; INT2 blocks agree with the INT4 containers within calibrate's MatMul tolerance at
 about 2 bits a weight. If a QNN release fixes INT2 per channel the first test fails; if one breaks
 INT2 blocks the second does, and export.two_bit_weights' auto probe falls back to INT4 containers
@@ -38,7 +38,7 @@ def matmul_graph(path, weights: np.ndarray, scales: np.ndarray, dtype: int, opse
 def test_the_htp_computes_int2_weights_per_channel_wrong_and_int4_right(tmp_path):
     import onnxruntime as ort
 
-    from hyco.qnn import session_options
+    from hyco.qnn.contexts import session_options
 
     rng = np.random.default_rng(0)
     weights = rng.integers(-2, 2, (64, 32)).astype(np.int8)  # the 2-bit range, held by both types
@@ -64,7 +64,8 @@ def _layer_on_htp(encoding: str, k: int, n: int, block: int) -> dict:
     import tempfile
     from pathlib import Path
 
-    from hyco.int2_blocks import MatMulCase, compile_and_run, matmul_graph
+    from hyco.qnn.contexts import compile_and_run
+    from hyco.qnn.int2_probe import MatMulCase, matmul_graph
 
     case = MatMulCase.draw(k, n)
     model = matmul_graph(case.weights, case.scales, encoding, block, case.x_scale, case.y_scale)
@@ -79,8 +80,8 @@ def test_int2_blocks_agree_with_the_int4_containers_and_take_half_their_bytes():
     binary smaller by at least a third of the weights' INT4 bytes (half of them would be 2 bits)."""
     from hyco.calibrate.htp import Tap, op_tolerance
 
-    from hyco.int2_blocks import MatMulCase
-    from hyco.workers import in_processes
+    from hyco.base.workers import in_processes
+    from hyco.qnn.int2_probe import MatMulCase
 
     k, n = 256, 512
     runs = {e: in_processes(_layer_on_htp, [(e, k, n, 64)], f"{e} on the HTP")[0]
@@ -99,7 +100,7 @@ def test_int2_blocks_agree_with_the_int4_containers_and_take_half_their_bytes():
 @pytest.mark.slow
 def test_auto_ships_int2_blocks_on_this_qnn_release():
     """export.two_bit_weights' auto probe on the installed libraries: INT2 blocks, and why."""
-    from hyco.int2_blocks import decide
+    from hyco.qnn.int2_probe import decide
 
     decision = decide("auto", 64, 87)
     assert decision.encoding == "int2-blocks" and decision.probe["right"], decision.why

@@ -18,8 +18,8 @@ import onnx
 import pytest
 from peaky import write_peaky
 
-from hyco.grids import clamp_to_grid, grid_range, uint16_grid
-from hyco.io_spec import read_io_spec
+from hyco.npu.io_spec import read_io_spec
+from hyco.quant.grids import clamp_to_grid, grid_range, uint16_grid
 
 
 @pytest.mark.parametrize("lo,hi", [(-1.0, 1.0), (0.0, 1.0), (-3.7, 0.2), (-0.01, 41.5), (-65504.0, 3.0), (0.5, 0.9)])
@@ -62,7 +62,7 @@ def test_teacher_forced_cpu_reproduces_its_own_codes_and_flags_a_wrong_op(tiny_c
     from hyco.calibrate.htp import _save_beside, activation_taps, compare_ops, op_tolerance
     from hyco.calibrate.stage import OUT_NAMES
 
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     out = tiny_calibrated / "calibrate"
     work = tmp_path / "graph"
@@ -130,8 +130,8 @@ def test_sparse_noise_moves_as_many_elements_as_the_rate_says_each_by_the_measur
     probability `rate` and stays otherwise, so the noise has the HTP's worst and its mean."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hyco.ort import session_for
-    from hyco.perturb import perturbed_model
+    from hyco.qnn.ort import session_for
+    from hyco.quant.perturb import perturbed_model
 
     scale = 0.01
     nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
@@ -173,7 +173,7 @@ def test_peaky_undistilled_family_through_calibrate_and_export_with_smoke(tiny_f
     pass; the bound the smoke holds each graph to is calibrate's."""
     from ladder import LADDER, RECIPE, set_args
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     slm = write_peaky(tiny_family["slm"], tmp_path / "peaky-slm", seed=1)
     out = tmp_path / "run"
@@ -213,7 +213,7 @@ def test_a_moved_bundle_smokes_from_any_directory(tiny_export_distilled, tiny_fa
     meta = json.loads((moved / "bundle.json").read_text())
     assert set(meta["reference_verifier"]) == {"name", "config_sha256"}
     verifier = tiny_family_distilled["verifier"]
-    cmd = [sys.executable, "-m", "hyco.cli", "smoke", str(moved), "--verifier", str(verifier), "--prompts", "1",
+    cmd = [sys.executable, "-m", "hyco.pipeline.cli", "smoke", str(moved), "--verifier", str(verifier), "--prompts", "1",
            "--rounds", "2", "--out", str(tmp_path / "smoke")]
     done = subprocess.run(cmd, cwd="/", capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

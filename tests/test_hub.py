@@ -24,8 +24,8 @@ import pytest
 import qai_hub as hub
 import yaml
 
-from hyco.errors import HycoError
-from hyco.recipe import ExportConfig
+from hyco.base.errors import HycoError
+from hyco.config.recipe import ExportConfig
 
 DATA = Path(__file__).parent / "data" / "qai_hub"
 
@@ -111,7 +111,7 @@ def make_calibrate(folder: Path, recording: str) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from hyco.io_spec import GraphSpec, TensorSpec, write_io_spec
+    from hyco.npu.io_spec import GraphSpec, TensorSpec, write_io_spec
 
     folder.mkdir(parents=True, exist_ok=True)
     specs = []
@@ -133,7 +133,7 @@ def make_calibrate(folder: Path, recording: str) -> Path:
 def _export_hub(tmp_path, *extra):
     """`export --hub` as a user types it: calibrate's folder is all it reads. The recordings hold
     the tree, prefill and MTP graphs' jobs: separate SLM graphs unless `extra` says otherwise."""
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     if "--slm-graphs" not in extra:
         extra = ("--slm-graphs", "separate", *extra)
@@ -321,7 +321,7 @@ def test_hub_refuses_the_bundle_inputs_and_the_offline_export_requires_them(tmp_
     export needs them, and says which are missing before any work."""
     import requests
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     monkeypatch.setenv("QAI_HUB_API_TOKEN", "dummy")
     monkeypatch.setattr(requests.adapters.HTTPAdapter, "send", lambda adapter, request, **kw: pytest.fail(request.url))

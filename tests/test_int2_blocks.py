@@ -1,4 +1,4 @@
-"""The SLM's 2-bit weights as INT2 blocks (hyco/int2_blocks.py): the transform keeps every int and
+"""The SLM's 2-bit weights as INT2 blocks (hyco/quant/int2_blocks.py): the transform keeps every int and
 scale bit-exact and its proof catches a flipped int or a wrong scale; onnxruntime CPU (plain, and
 through the project's CPU sessions) and the torch executor compute what the INT4 containers
 computed, exactly; the ladder's deployable graphs carry them, proven against their INT4 twins; the
@@ -14,20 +14,18 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from hyco.errors import ProofFailed
-from hyco.int2_blocks import (
+from hyco.base.errors import ProofFailed
+from hyco.formats.int4 import pack_int4
+from hyco.qnn.int2_probe import PROBE_TOLERANCE_CODES, TwoBitDecision, decide
+from hyco.quant.int2_blocks import (
     INT2_IR_VERSION,
     INT2_OPSET,
-    PROBE_TOLERANCE_CODES,
-    TwoBitDecision,
     block_weights,
-    decide,
     pack_int2,
     prove_int2_blocks,
     to_int2_blocks,
     unpack_int2,
 )
-from hyco.int4 import pack_int4
 
 ROWS = 5
 
@@ -165,13 +163,13 @@ def test_the_proof_catches_a_flipped_int_a_wrong_scale_and_a_zero_point():
 
 
 def test_cpu_sessions_and_the_torch_executor_compute_int2_blocks_exactly(tmp_path):
-    """hyco.ort's sessions multiply INT2 blocks packed (MatMulNBits, as INT4) and the torch executor
+    """hyco.qnn.ort's sessions multiply INT2 blocks packed (MatMulNBits, as INT4) and the torch executor
     spreads the block scales: each equals its own run of the INT4 containers."""
     import shutil
 
-    from hyco.int4_matmul import fuse_int4_matmuls
-    from hyco.ort import ort_session
-    from hyco.qdq_torch import TorchGraph
+    from hyco.qnn.ort import ort_session
+    from hyco.quant.int4_matmul import fuse_int4_matmuls
+    from hyco.quant.qdq_torch import TorchGraph
 
     source = layer(k=128, n=32)
     blocked = copy(source)
@@ -189,10 +187,10 @@ def test_cpu_sessions_and_the_torch_executor_compute_int2_blocks_exactly(tmp_pat
 
 
 def test_cpu_sessions_return_to_the_graphs_own_opset_once_int2_is_multiplied_packed(tmp_path):
-    """onnxruntime's CPU EP has no RandomUniformLike past opset 21 (hyco.perturb adds it): a CPU
+    """onnxruntime's CPU EP has no RandomUniformLike past opset 21 (hyco.quant.perturb adds it): a CPU
     session's copy whose INT2 blocks were all fused drops back to the opset the graph had."""
-    from hyco.int2_blocks import OPSET_BEFORE
-    from hyco.ort import session_for
+    from hyco.qnn.ort import session_for
+    from hyco.quant.int2_blocks import OPSET_BEFORE
 
     source = layer()
     blocked = copy(source)
@@ -209,7 +207,7 @@ def test_cpu_sessions_return_to_the_graphs_own_opset_once_int2_is_multiplied_pac
 
 
 def test_the_recipe_decides_and_says_why(monkeypatch):
-    import hyco.int2_blocks as int2
+    import hyco.qnn.int2_probe as int2
 
     kept = decide("int4-containers", 64, 87)
     assert kept == TwoBitDecision("int4-containers", None, "int4-containers", kept.why) and "recipe asks" in kept.why
@@ -234,15 +232,15 @@ def test_the_probe_holds_int2_to_calibrates_matmul_tolerance():
 @pytest.mark.parametrize("value, said", [("two_bit_weights=int3", "export.two_bit_weights must be one of"),
                                          ("int2_block_size=24", "export.int2_block_size must be a multiple of 16")])
 def test_a_bad_setting_is_refused_naming_it(value, said):
-    from hyco.errors import HycoError
-    from hyco.recipe import load_recipe
+    from hyco.base.errors import HycoError
+    from hyco.config.recipe import load_recipe
 
     with pytest.raises(HycoError, match=said):
         load_recipe("tiny", [f"export.{value}"])
 
 
 def test_a_bad_setting_is_one_line_and_exit_2():
-    done = subprocess.run([sys.executable, "-m", "hyco.cli", "plan", "tiny", "--set", "export.int2_block_size=24"],
+    done = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", "plan", "tiny", "--set", "export.int2_block_size=24"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "export.int2_block_size must be a multiple of 16, but got 24" in done.stderr
@@ -256,7 +254,7 @@ def test_the_ladders_deployable_graphs_carry_proven_int2_blocks(tiny_calibrated)
 
     from hyco.calibrate.prepare import load_graph
 
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
 
     out = tiny_calibrated / "calibrate"
     specs = read_io_spec(out / "io_spec.json")
@@ -281,8 +279,8 @@ def test_a_real_graph_rewritten_computes_what_its_int4_containers_did(tiny_calib
     from hyco.calibrate.prepare import load_graph, save_streamed
     from hyco.calibrate.stage import convert_weight_bits
 
-    from hyco.int2_blocks import two_bit_names
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
+    from hyco.quant.int2_blocks import two_bit_names
 
     source = tiny_calibrated / "calibrate" / "tree.parity.qdq.onnx"
     model = load_graph(source)
@@ -307,9 +305,9 @@ def test_export_refuses_graphs_holding_another_encoding(tiny_calibrated):
     so: one line naming the graph and both encodings otherwise."""
     from hyco.export.stage import shipped_two_bit
 
-    from hyco.errors import HycoError
-    from hyco.io_spec import read_io_spec
-    from hyco.recipe import ExportConfig
+    from hyco.base.errors import HycoError
+    from hyco.config.recipe import ExportConfig
+    from hyco.npu.io_spec import read_io_spec
 
     out = tiny_calibrated / "calibrate"
     held = read_io_spec(out / "io_spec.json")["tree.qdq.onnx"].meta["two_bit_weights"]["encoding"]
@@ -321,7 +319,7 @@ def test_export_refuses_graphs_holding_another_encoding(tiny_calibrated):
 def test_calibrates_section_follows_the_export_keys_that_shape_its_graphs():
     from hyco.calibrate import stage
 
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     base = stage.section(load_recipe("tiny"))
     for key, value in (("two_bit_weights", "int4-containers"), ("int2_block_size", 32), ("soc_model", 69)):

@@ -1,4 +1,4 @@
-"""CPU sessions multiply INT4 weights with onnxruntime's MatMulNBits (hyco/int4_matmul.py).
+"""CPU sessions multiply INT4 weights with onnxruntime's MatMulNBits (hyco/quant/int4_matmul.py).
 
 The proofs: the repacked weight holds the checkpoint's integers bit for bit (unpacked back,
 tensor by tensor, both layouts, odd and block-unaligned widths); a fused session's outputs are
@@ -30,8 +30,8 @@ def unpacked(b: np.ndarray, k: int) -> np.ndarray:
 @pytest.mark.parametrize("shape,transposed", [((48, 40), False), ((40, 48), True), ((6, 1536), False),
                                               ((24, 7), False), ((7, 24), True), ((2816, 10), True)])
 def test_repacked_weight_holds_the_same_integers(shape, transposed):
-    from hyco.int4 import pack_int4
-    from hyco.int4_matmul import block_size, matmul_nbits_weight
+    from hyco.formats.int4 import pack_int4
+    from hyco.quant.int4_matmul import block_size, matmul_nbits_weight
 
     ints = np.random.default_rng(sum(shape)).integers(-8, 8, shape).astype(np.int8)
     b = matmul_nbits_weight(pack_int4(ints), shape, transposed)
@@ -47,7 +47,7 @@ def weight_graph(folder: Path, n: int, k: int, lead: list[int], transposed: bool
                  external: bool = True) -> tuple[Path, np.ndarray, np.ndarray]:
     """x [*lead, K] @ dequantized weight -> y, saved with its weights as external data; returns
     the path, the integers [N, K] and the scales [N]."""
-    from hyco.int4 import pack_int4
+    from hyco.formats.int4 import pack_int4
 
     rng = np.random.default_rng(seed)
     lo = -8 if dtype == TensorProto.INT4 else -128
@@ -97,8 +97,8 @@ def test_fused_session_is_within_the_fp32_summation_bound(tmp_path, n, k, lead, 
     misplaced nibble, block or scale is off by whole weights, far outside it."""
     import onnxruntime as ort
 
-    from hyco.int4_matmul import fuse_int4_matmuls
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
+    from hyco.quant.int4_matmul import fuse_int4_matmuls
 
     path, ints, scale = weight_graph(tmp_path, n, k, lead, transposed, seed=n + k)
     fused_model = onnx.load(str(path), load_external_data=False)
@@ -129,8 +129,8 @@ def test_what_is_not_fused(tmp_path, case):
     them) and inline weights are fused all the same."""
     import onnxruntime as ort
 
-    from hyco.int4_matmul import fuse_int4_matmuls
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
+    from hyco.quant.int4_matmul import fuse_int4_matmuls
 
     kwargs = {"zero_point": {"zero_point": 1}, "zero_point_0": {"zero_point": 0},
               "zero_point_scalar": {"zero_point": 3, "zero_point_scalar": True},
@@ -156,7 +156,7 @@ def test_what_is_not_fused(tmp_path, case):
 
 
 def test_session_folder_is_removed_and_nothing_written_beside_the_graph(tmp_path, monkeypatch):
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -173,8 +173,8 @@ def test_session_folder_is_removed_and_nothing_written_beside_the_graph(tmp_path
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_a_damaged_weights_file_names_file_and_tensor(tmp_path, monkeypatch, damage):
-    from hyco.errors import HycoError
-    from hyco.int4_matmul import fuse_int4_matmuls
+    from hyco.base.errors import HycoError
+    from hyco.quant.int4_matmul import fuse_int4_matmuls
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -192,7 +192,7 @@ def test_a_damaged_weights_file_names_file_and_tensor(tmp_path, monkeypatch, dam
 
 @pytest.mark.parametrize("shape", [(2, 2), (40, 48), (1536, 256), (7, 24), (24, 7), (5, 3)])
 def test_int4_transpose_nibble_by_nibble_is_the_transposed_integers(shape):
-    from hyco.int4 import pack_int4, transpose_int4, unpack_int4
+    from hyco.formats.int4 import pack_int4, transpose_int4, unpack_int4
 
     ints = np.random.default_rng(shape[0] * 31 + shape[1]).integers(-8, 8, shape).astype(np.int8)
     out = transpose_int4(pack_int4(ints), shape)
@@ -208,7 +208,7 @@ def test_int4_extremes_from_packed_bytes_equal_the_unpacked_ones(shape, axis):
     extremes sit in a single nibble."""
     from hyco.calibrate.ort_patches import int_extremes
 
-    from hyco.int4 import pack_int4
+    from hyco.formats.int4 import pack_int4
 
     rng = np.random.default_rng(shape[0] + 7 * shape[1])
     for ints in (rng.integers(-8, 8, shape).astype(np.int8), np.zeros(shape, np.int8)):
@@ -226,8 +226,8 @@ def test_shared_repacks_repack_each_weight_once_and_change_no_output(tmp_path, m
     folder in which each weight was repacked once; a graph elsewhere gets a folder of its own
     (gone once its session loaded); outputs are bit-equal to a session of its own; the shared
     folder is gone after the block."""
-    from hyco import int4_matmul
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
+    from hyco.quant import int4_matmul
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -282,8 +282,8 @@ def test_a_nested_block_shares_its_own_folder_s_repacks_while_it_lasts(tmp_path,
 def test_shared_repacks_see_a_rewritten_weights_file(tmp_path):
     """A weights file rewritten in place inside the block (same path, new integers) is read
     again, not served from the first repack."""
-    from hyco import int4_matmul
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
+    from hyco.quant import int4_matmul
 
     x = np.random.default_rng(4).standard_normal((1, 2, 32)).astype(np.float32)
     with int4_matmul.shared_repacks(tmp_path):

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 from ladder import LADDER, RECIPE, set_args
-from reruns import differences, run_command, run_env
+from reruns import run_command, run_env
+
+from hyco.pipeline.compare import differences
 
 PYTHON = sys.executable
 
@@ -146,7 +148,7 @@ def test_a_run_that_inherited_sigint_ignored_keeps_it_and_stops_on_sigterm(tmp_p
     # vocab counts 20,000 conversations (the real recipe's; ~10x the tiny one's 4 s here), so the
     # stage is still running when the signals come: a run that ended first dies on SIGTERM's
     # default action after the CLI has put it back, which would say nothing about the CLI
-    args = [PYTHON, "-m", "hyco.cli", "run", str(RECIPE), "--out", str(out),
+    args = [PYTHON, "-m", "hyco.pipeline.cli", "run", str(RECIPE), "--out", str(out),
             *set_args(["fixtures.distill=false", "stages=[fixtures,vocab]", "vocab.count_conversations=20000"])]
     proc = subprocess.Popen(args, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
@@ -176,26 +178,26 @@ def test_a_second_process_on_a_locked_folder_refuses_with_the_lock_named(ladder,
     lock and the folder is usable again."""
     out = tmp_path / "run"
     holder = subprocess.Popen([PYTHON, "-c", "import sys, time; from pathlib import Path; "
-                               "from hyco.artifacts import folder_lock\n"
+                               "from hyco.pipeline.artifacts import folder_lock\n"
                                "with folder_lock(Path(sys.argv[1])):\n print('locked', flush=True); time.sleep(120)",
                                str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        done = subprocess.run([PYTHON, "-m", "hyco.cli", "run", str(RECIPE), "--out", str(out),
+        done = subprocess.run([PYTHON, "-m", "hyco.pipeline.cli", "run", str(RECIPE), "--out", str(out),
                                *set_args([*LADDER, "stages=[fixtures,vocab]"])],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         line = _one_line(done.stderr, "hyco-convert run:")
         assert f"{tmp_path / '.run.lock'}: {out} is being written by another hyco-convert (pid {holder.pid})" in line
         assert not out.exists()
-        vocab = subprocess.run([PYTHON, "-m", "hyco.cli", "vocab", "--tokenizer", str(ladder / "fixtures" / "tokenizer"),
+        vocab = subprocess.run([PYTHON, "-m", "hyco.pipeline.cli", "vocab", "--tokenizer", str(ladder / "fixtures" / "tokenizer"),
                                 "--size", "600", "--count-conversations", "50", "--out", str(out)],
                                capture_output=True, text=True, timeout=120)
         assert vocab.returncode == 2 and ".run.lock" in _one_line(vocab.stderr, "hyco-convert vocab:")
     finally:
         holder.kill()
         holder.wait()
-    from hyco.artifacts import folder_lock
+    from hyco.pipeline.artifacts import folder_lock
 
     with folder_lock(out) as lock:  # released by the kernel when the holder died
         assert lock.read_text().strip() == str(os.getpid())
@@ -208,7 +210,7 @@ def test_two_runs_on_one_folder_never_interleave(ladder, tmp_path):
     lock, exit 2) and the first finishes, or one runs after the other and finds every stage done;
     never two builds into the same folder."""
     out = tmp_path / "run"
-    args = [PYTHON, "-m", "hyco.cli", "run", str(RECIPE), "--out", str(out), *set_args([*LADDER, "stages=[fixtures,vocab]"])]
+    args = [PYTHON, "-m", "hyco.pipeline.cli", "run", str(RECIPE), "--out", str(out), *set_args([*LADDER, "stages=[fixtures,vocab]"])]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
     codes = sorted(rc for rc, _, _ in results)
@@ -225,7 +227,7 @@ def test_a_folder_holding_the_users_files_is_refused_untouched(ladder, tmp_path)
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    done = subprocess.run([PYTHON, "-m", "hyco.cli", "vocab", "--tokenizer", str(ladder / "fixtures" / "tokenizer"),
+    done = subprocess.run([PYTHON, "-m", "hyco.pipeline.cli", "vocab", "--tokenizer", str(ladder / "fixtures" / "tokenizer"),
                            "--size", "600", "--count-conversations", "50", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
@@ -247,7 +249,7 @@ def _in_small_filesystem(script: str, size: str = "2m") -> subprocess.CompletedP
 
 
 def _vocab_command(ladder: Path) -> str:
-    return (f"{PYTHON} -m hyco.cli vocab --tokenizer {ladder / 'fixtures' / 'tokenizer'} --size 600 "
+    return (f"{PYTHON} -m hyco.pipeline.cli vocab --tokenizer {ladder / 'fixtures' / 'tokenizer'} --size 600 "
             "--count-conversations 50 --heldout-conversations 10")
 
 

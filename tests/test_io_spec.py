@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from hyco.io_spec import Role, TensorSpec, role_of
+from hyco.npu.io_spec import Role, TensorSpec, role_of
 
 
 def test_roles_of_the_graph_tensor_names():

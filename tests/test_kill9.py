@@ -5,7 +5,7 @@ must equal an uninterrupted run's byte for byte (manifests aside from their timi
 
 A killed stage leaves its temp folder `.STAGE.tmp-PID` behind (or, killed between the manifest
 and the rename, a finished one); the restart removes the first and adopts the second
-(hyco/artifacts.py), and skips the stages that finished before the kill.
+(hyco/pipeline/artifacts.py), and skips the stages that finished before the kill.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import subprocess
 import time
 
 import pytest
-from reruns import differences, run_command, run_env
+from reruns import run_command, run_env
+
+from hyco.pipeline.compare import differences
 
 SEED = 20261130
 EXTRA_KILLS = 2  # besides one kill per stage: two more, in stages drawn at random

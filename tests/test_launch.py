@@ -1,4 +1,4 @@
-"""The verifier's per-prompt work split over the processes of `accelerate launch` (hyco/launch.py):
+"""The verifier's per-prompt work split over the processes of `accelerate launch` (hyco/base/launch.py):
 answers, qat's captures and the check give the same bytes and figures as one process, and a killed
 worker fails the stage cleanly.
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from ladder import LADDER, RECIPE, set_args
-from reruns import differences
 
-from hyco.cli import main
+from hyco.pipeline.cli import main
+from hyco.pipeline.compare import differences
 
 pytestmark = pytest.mark.slow  # two launches of two processes each, every one loading torch and the models
 
@@ -93,7 +93,7 @@ def test_qat_captures_split_over_two_processes_are_one_process_bytes(ladder, tmp
             "--tokenizer", str(fixtures / "tokenizer"), "--vocab", str(ladder / "vocab"),
             "--answers", str(ladder / "answers"), "--steps", "2", "--calibration-sequences", "1", "--window", "128"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    one = subprocess.run([sys.executable, "-m", "hyco.cli", *args, "--out", str(tmp_path / "one")], env=env,
+    one = subprocess.run([sys.executable, "-m", "hyco.pipeline.cli", *args, "--out", str(tmp_path / "one")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     proc = launch([*args, "--out", str(tmp_path / "two")])

@@ -1,4 +1,4 @@
-"""hyco/loading.py's fp32 load of a BF16 checkpoint: loaded at BF16, widened in place.
+"""hyco/base/loading.py's fp32 load of a BF16 checkpoint: loaded at BF16, widened in place.
 
 `from_pretrained(dtype=float32)` on a BF16 checkpoint peaked at ~2.7x the fp32 model (issue 13:
 11+ GB for the 2,816-wide verifier stand-in); load_pretrained now loads at the checkpoint's dtype
@@ -13,7 +13,7 @@ def _fp32_reference(folder):
     """transformers' own fp32 load, text-only as load_pretrained loads a multimodal wrapper."""
     from transformers import AutoModelForCausalLM
 
-    from hyco.loading import text_only_config
+    from hyco.base.loading import text_only_config
 
     config = text_only_config(folder)
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **({"config": config} if config else {}))
@@ -21,7 +21,7 @@ def _fp32_reference(folder):
 
 @pytest.mark.parametrize("what", ["verifier", "assistant"])
 def test_bf16_checkpoint_loads_as_the_fp32_load_tensor_by_tensor(tiny_family, what):
-    from hyco.loading import checkpoint_files, load_pretrained
+    from hyco.base.loading import checkpoint_files, load_pretrained
 
     folder = tiny_family[what]
     assert {dtype for dtype, _, _ in checkpoint_files(folder).values()} == {"BF16"}  # the upcast path runs
@@ -43,7 +43,7 @@ def test_naive_widening_would_keep_bf16_rounded_init_buffers(tiny_family):
     which differ from the fp32 load; so the test above can fail."""
     from transformers import AutoModelForCausalLM
 
-    from hyco.loading import text_only_config
+    from hyco.base.loading import text_only_config
 
     config = text_only_config(tiny_family["verifier"])
     naive = AutoModelForCausalLM.from_pretrained(str(tiny_family["verifier"]), dtype=torch.bfloat16, config=config).float()
@@ -52,7 +52,7 @@ def test_naive_widening_would_keep_bf16_rounded_init_buffers(tiny_family):
 
 
 def test_all_finite_finds_a_nan_or_inf_in_any_block():
-    from hyco.loading import all_finite
+    from hyco.base.loading import all_finite
 
     t = torch.zeros(10, 7)
     assert all_finite(t, block=8)

@@ -1,7 +1,7 @@
 """gemma4_assistant's centroid-masked output layer (`use_ordered_embeddings`, E2B/E4B's assistants)
 through qat, the step graph and check.
 
-How the step graph handles the centroid selection over the keep set (hyco/npu_ops.py
+How the step graph handles the centroid selection over the keep set (hyco/npu/ops.py
 `centroid_mask`): the keep-set output layer is computed whole, as for the plain head; the centroid
 layer (INT4 like every linear) scores the clusters, a TopK takes transformers' top k, a Gather
 gives each kept token its cluster's flag (`cluster_of`, a constant of the graph), and a Where puts
@@ -23,10 +23,10 @@ from hyco.qat.mtp import TeacherForcedHead, check_output_layer, clusters_of, den
 from hyco.qat.step_graph import MtpStep, io_spec, linear_names
 from hyco.qat.tiny_models import SLIDING_WINDOW, VOCAB, tiny_assistant, tiny_verifier
 
-from hyco.cli import main
-from hyco.errors import HycoError
-from hyco.handoff import handoff_states
-from hyco.npu_ops import CENTROID_GAP, centroid_mask
+from hyco.base.errors import HycoError
+from hyco.npu.handoff import handoff_states
+from hyco.npu.ops import CENTROID_GAP, centroid_mask
+from hyco.pipeline.cli import main
 from hyco.runtime.mtp import scored_logits
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -167,7 +167,7 @@ def test_bad_centroid_configs_are_refused_by_name(tiny):
 def masked_qat(ordered, tiny_text_family, tmp_path_factory):
     from hyco.vocab.stage import build_vocab
 
-    from hyco.recipe import VocabConfig, load_recipe
+    from hyco.config.recipe import VocabConfig, load_recipe
 
     folder, _ = ordered
     root = tmp_path_factory.mktemp("masked-qat")
@@ -194,8 +194,8 @@ def test_qat_converts_the_masked_head(masked_qat, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hyco.keepset import load_keep_set
-    from hyco.loading import load_tokenizer
+    from hyco.base.loading import load_tokenizer
+    from hyco.data.keepset import load_keep_set
 
     root, folder, args = masked_qat
     out = tmp_path / "qat"
@@ -290,8 +290,8 @@ def test_the_tiny_recipe_with_a_masked_head_end_to_end(fitted_masked, tmp_path):
     deployed QDQ graphs (the bundle's INT4 head, uint16 inputs) stays lossless with drafts accepted."""
     from ladder import LADDER, RECIPE
 
-    from hyco.pipeline import run_recipe
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
+    from hyco.pipeline.run import run_recipe
 
     models = [f"models.{k}={v}" for k, v in fitted_masked.items()]
     recipe = load_recipe(RECIPE, [*models, *LADDER, "stages=[vocab,answers,convert,qat,calibrate,export,check]",

@@ -22,8 +22,8 @@ import pytest
 import torch
 from hyco.convert.parity import TIE_TOLERANCE
 
-from hyco.cli import main
-from hyco.recipe import ConvertConfig
+from hyco.config.recipe import ConvertConfig
+from hyco.pipeline.cli import main
 
 # The tiny recipe's convert section (recipes/tiny.yaml): rings 128 / 64, parity rings 32 / 16
 TINY = ConvertConfig(rows=33, prefill_chunk=16, ring_full=128, ring_sliding=64, max_prompt=128, topk=8,
@@ -36,7 +36,7 @@ def write_peaky(src: Path, dst: Path, seed: int = 0) -> Path:
     down_proj requantized to int2, lm_head int8 (the fixture's width, checked)."""
     from safetensors.torch import load_file, save_file
 
-    from hyco.gemma_quant import pack, quantize_rows, unpack
+    from hyco.formats.gemma_quant import pack, quantize_rows, unpack
 
     g = torch.Generator().manual_seed(seed)
     config = json.loads((src / "config.json").read_text())
@@ -150,7 +150,7 @@ def _convert_cli(checkpoint: Path, out: Path, *extra: str) -> int:
 
 @pytest.mark.slow  # by its measured duration (pytest --durations)
 def test_broken_graph_stops_convert_unless_allowed(tiny_family, tmp_path, monkeypatch, capsys):
-    from hyco.artifacts import run_stage
+    from hyco.pipeline.artifacts import run_stage
 
     _break_first_srq_scale(monkeypatch)
     out = tmp_path / "out"
@@ -184,9 +184,9 @@ def test_run_stops_at_a_failed_proof(tmp_path, monkeypatch):
     stage, given the same flag, accepts it."""
     from types import SimpleNamespace
 
-    from hyco import pipeline
-    from hyco.errors import ProofFailed
-    from hyco.recipe import Recipe
+    from hyco.base.errors import ProofFailed
+    from hyco.config.recipe import Recipe
+    from hyco.pipeline import run as pipeline
 
     ran = []
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from ladder import LADDER, STAGES, run_args
 
-from hyco.cli import main
+from hyco.pipeline.cli import main
 
 
 @pytest.fixture(scope="module")

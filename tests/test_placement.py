@@ -1,4 +1,4 @@
-"""The verifier's placement (recipe section `placement`, hyco.loading.load_verifier): BF16 on any
+"""The verifier's placement (recipe section `placement`, hyco.base.loading.load_verifier): BF16 on any
 device is transformers' own BF16 model, and CPU + disk offload through accelerate computes what
 the model in memory computes, down to the answers the answers stage writes."""
 
@@ -9,9 +9,9 @@ import filecmp
 import pytest
 import torch
 
-from hyco.errors import HycoError
-from hyco.loading import load_verifier
-from hyco.recipe import AnswersConfig, PlacementConfig
+from hyco.base.errors import HycoError
+from hyco.base.loading import load_verifier
+from hyco.config.recipe import AnswersConfig, PlacementConfig
 
 IDS = torch.tensor([[2, 105, 300, 400, 500, 600, 106, 700, 800]])
 
@@ -76,7 +76,7 @@ def test_a_quantized_verifier_without_its_backend_is_one_line_naming_the_package
     not), so the refusal is seen for all three."""
     import importlib.util
 
-    from hyco.loading import SERVER_QUANT
+    from hyco.base.loading import SERVER_QUANT
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -90,7 +90,7 @@ def test_a_quantized_verifier_without_its_backend_is_one_line_naming_the_package
 
 
 def test_an_unknown_quantization_and_a_quantized_teacher_are_refused(tiny_family, tmp_path):
-    from hyco.preflight import check_model, check_teacher
+    from hyco.pipeline.preflight import check_model, check_teacher
 
     folder = quantized_copy(tiny_family["verifier"], tmp_path / "verifier", "bitsandbytes")
     with pytest.raises(HycoError, match=r"must be a float checkpoint or quantized with one of awq, gptq, "

@@ -1,4 +1,4 @@
-"""`run`'s preflight (hyco/preflight.py): before the first stage, every model folder checked for its
+"""`run`'s preflight (hyco/pipeline/preflight.py): before the first stage, every model folder checked for its
 role's layout, the corpus found, each stage's memory and disk estimated and held to the recipe's
 limits; a refusal is one line, exit 2, and nothing written."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from hyco.cli import main
+from hyco.pipeline.cli import main
 
 STAGES = ["vocab", "answers", "convert", "qat"]
 
@@ -63,8 +63,8 @@ def test_an_unreadable_corpus_is_refused(tiny_family, tmp_path, capsys):
 def test_the_verifier_estimate_follows_the_placement_dtype():
     """26B-A4B's BF16 bytes (50.47 GB, counted by bench/bench_verifier.py): held in BF16 by answers
     when the placement says so, twice that in fp32 (auto on a CPU); the check places it the same way."""
-    from hyco.preflight import estimate, load_growth
-    from hyco.recipe import PlacementConfig
+    from hyco.config.recipe import PlacementConfig
+    from hyco.pipeline.preflight import estimate, load_growth
 
     bf16, auto = PlacementConfig(dtype="bfloat16"), PlacementConfig()
     assert load_growth("answers", bf16, "bfloat16") == 1.0
@@ -121,8 +121,8 @@ def test_e4b_shapes_fit_one_htp_session_only_with_one_copy_of_the_slms_weights(t
     import json
     from pathlib import Path
 
-    from hyco.preflight import npu_session_estimate, session_over_budget
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
+    from hyco.pipeline.preflight import npu_session_estimate, session_over_budget
 
     data = json.loads(gzip.decompress((Path(__file__).parent / "data" / "e4b_headers" /
                                        "e4b_shapes_headers.json.gz").read_bytes()))

@@ -16,7 +16,7 @@ import pytest
 from hyco.runtime_check.costs import figure1, project, setting_of, tables
 from test_costs import SERVER, inputs_for
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.runtime.server_profile import PAPER_PROFILE, read_server_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_a_preset_with_a_figure_replaced_is_custom_and_a_plain_preset_keeps_its_
     (["--host-ms", "-0.5"], "--host-ms must be a number >= 0 ms, but got -0.5"),
 ])
 def test_a_figure_that_cannot_be_is_one_line_naming_the_flag(tmp_path, capsys, flags, message):
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     inputs_for(tmp_path)
     assert main(["project", str(tmp_path), "--out", str(tmp_path / "p"), *flags]) == 2
@@ -70,7 +70,7 @@ def test_a_figure_that_cannot_be_is_one_line_naming_the_flag(tmp_path, capsys, f
 def test_before_and_after_stand_side_by_side(tmp_path, capsys):
     """The "before" column is the check's own figures, as check computed them from the same
     inputs; projection.md opens with what changed and HyCo's answer, before -> after."""
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     inputs = inputs_for(tmp_path)
     assert main(["project", str(tmp_path), "--out", str(tmp_path / "p"), "--rtt-ms", "0"]) == 0
@@ -138,7 +138,7 @@ def test_the_paper_profile_gives_the_papers_g_at_the_papers_mats(tmp_path):
 def test_a_checks_own_sweep_is_a_server_profile_that_projects_the_same(tmp_path, capsys):
     """--write-server-profile writes the check's sweep; read back with --server-profile it gives
     the check's own rows; ServerTimes.to_json (what a sweep is cached as) is a profile too."""
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     inputs_for(tmp_path)
     profile = tmp_path / "profiles" / "server.json"
@@ -173,7 +173,7 @@ def test_a_bad_server_profile_is_named_by_file_and_key(tmp_path, text, match):
 
 
 def test_a_bad_server_profile_is_one_line_and_exit_2(tmp_path, capsys):
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     inputs_for(tmp_path)
     (tmp_path / "server.json").write_text('{"verify": [[33, 64, -2]], "prefill": [[32, 1.0]]}')
@@ -186,7 +186,7 @@ def test_a_reader_that_stops_reading_ends_nothing_with_a_traceback(tmp_path):
     """`project ... | head -1`: the pipe's reader is gone before project prints (its end closed
     here at once), so every print meets a closed pipe."""
     inputs_for(tmp_path)
-    child = subprocess.Popen([sys.executable, "-m", "hyco.cli", "project", str(tmp_path), "--out", str(tmp_path / "p")],
+    child = subprocess.Popen([sys.executable, "-m", "hyco.pipeline.cli", "project", str(tmp_path), "--out", str(tmp_path / "p")],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child.stdout.close()
     err = child.stderr.read().decode()
@@ -238,7 +238,7 @@ def test_figure1_numbers_do_not_collide_and_coinciding_points_share_one():
 
 
 def test_check_timing_takes_an_rtt_of_0_and_refuses_a_bandwidth_of_0():
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     assert load_recipe(ROOT / "recipes/tiny.yaml", ["check.timing.rtt_ms=0"]).check.timing.rtt_ms == 0.0
     with pytest.raises(HycoError, match="check.timing.rtt_ms must be >= 0, but got -1"):

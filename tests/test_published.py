@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hyco.gemma_quant import bits_for_module, dequantize, unpack
+from hyco.formats.gemma_quant import bits_for_module, dequantize, unpack
 
 TEXT = "model.language_model."
 
@@ -139,7 +139,7 @@ def test_transformers_reads_the_published_slm_with_its_towers(tiny_family):
     them itself). Either way the table must come out as ints x block scale."""
     from transformers import AutoConfig, Gemma4ForConditionalGeneration
 
-    from hyco.loading import checkpoint_files, quiet_transformers, set_block_scales
+    from hyco.base.loading import checkpoint_files, quiet_transformers, set_block_scales
 
     folder = tiny_family["slm"]
     with quiet_transformers(), pytest.raises(AttributeError, match="not an nn.Parameter"):
@@ -180,7 +180,7 @@ def test_text_only_load_leaves_the_towers_on_disk_and_computes_the_same(tiny_fam
     the logits transformers' full model gives."""
     from transformers import AutoConfig, Gemma4ForConditionalGeneration
 
-    from hyco.loading import checkpoint_files, load_pretrained, quiet_transformers, set_block_scales
+    from hyco.base.loading import checkpoint_files, load_pretrained, quiet_transformers, set_block_scales
 
     folder = tiny_family["slm"]
     text_only = load_pretrained(folder, "slm", float_checkpoint=False, dtype=torch.float32).eval()
@@ -202,7 +202,7 @@ def test_text_only_load_leaves_the_towers_on_disk_and_computes_the_same(tiny_fam
 def test_transformers_reads_the_published_verifier_whole(tiny_family):
     from transformers import AutoModelForCausalLM
 
-    from hyco.loading import quiet_transformers
+    from hyco.base.loading import quiet_transformers
 
     with quiet_transformers():
         model, info = AutoModelForCausalLM.from_pretrained(str(tiny_family["verifier"]), dtype=torch.float32,
@@ -230,7 +230,7 @@ def test_whole_tiny_recipe_on_the_text_only_layout(tmp_path):
     a supported input."""
     from ladder import LADDER, run_args
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     out = tmp_path / "run"
     assert main(run_args(out, [*LADDER, "fixtures.preset=tiny-text"])) == 0
@@ -265,7 +265,7 @@ def _published_copy(src, dst, drop=(), cut_bytes=0):
 ])
 def test_convert_refuses_a_bad_published_checkpoint(case, expect, tiny_family, tmp_path, capsys):
     """The one-file layout's bad input: one line naming the file and the tensor, exit 2, no output."""
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     src = tiny_family["slm"]
     if case == "truncated":
@@ -286,8 +286,8 @@ def test_tie_flag_without_a_stored_head_reads_the_token_table(tiny_family, tmp_p
     loader gives the same logits as the file with the stored copy."""
     from hyco.convert.stage import convert
 
-    from hyco.loading import load_pretrained
-    from hyco.recipe import ConvertConfig
+    from hyco.base.loading import load_pretrained
+    from hyco.config.recipe import ConvertConfig
 
     head = {f"lm_head.{t}" for t in ("weight", "weight_scale", "input_activation_scale", "output_activation_scale")}
     ck = _published_copy(tiny_family["slm"], tmp_path / "ck", drop=head)
@@ -307,8 +307,8 @@ def test_tie_flag_without_a_stored_head_reads_the_token_table(tiny_family, tmp_p
 
 def test_check_refuses_a_truncated_published_verifier(tiny_family, tmp_path, capsys):
     """The verifier's one file cut: every loader's header check names it before any stage works."""
-    from hyco.errors import HycoError
-    from hyco.loading import load_pretrained
+    from hyco.base.errors import HycoError
+    from hyco.base.loading import load_pretrained
 
     verifier = _published_copy(tiny_family["verifier"], tmp_path / "verifier", cut_bytes=10)
     with pytest.raises(HycoError, match=r"verifier/model\.safetensors: truncated: tensor"):
@@ -320,8 +320,8 @@ def test_prompts_and_answers_start_after_the_empty_thought_channel(ladder, tiny_
     turn starts after `<|channel>thought\\n<channel|>`, as Gemma 4 -it writes it."""
     from transformers import AutoTokenizer
 
-    from hyco.chat import EMPTY_THOUGHT
-    from hyco.loading import read_jsonl
+    from hyco.base.loading import read_jsonl
+    from hyco.data.chat import EMPTY_THOUGHT
 
     tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
     answers = read_jsonl(ladder / "answers" / "answers.jsonl")
@@ -337,7 +337,7 @@ def test_text_only_load_reads_media_placeholders_as_tokens(tiny_family):
     embedding. The text-only load must therefore differ from the full one exactly where one occurs."""
     from transformers import AutoConfig, Gemma4ForConditionalGeneration
 
-    from hyco.loading import checkpoint_files, load_pretrained, quiet_transformers, set_block_scales
+    from hyco.base.loading import checkpoint_files, load_pretrained, quiet_transformers, set_block_scales
 
     folder = tiny_family["slm"]
     config = AutoConfig.from_pretrained(str(folder))

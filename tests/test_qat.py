@@ -18,13 +18,13 @@ from hyco.qat.train import lr_at
 from onnx import numpy_helper
 from safetensors.torch import load_file
 
-from hyco.captures import CaptureSet, capture_answers, load_capture
-from hyco.cli import main
-from hyco.embed_lut import EmbedLut
-from hyco.errors import HycoError
-from hyco.handoff import embed_tokens, handoff_states
-from hyco.io_spec import read_io_spec
-from hyco.recipe import QatConfig
+from hyco.base.errors import HycoError
+from hyco.config.recipe import QatConfig
+from hyco.npu.captures import CaptureSet, capture_answers, load_capture
+from hyco.npu.embed_lut import EmbedLut
+from hyco.npu.handoff import embed_tokens, handoff_states
+from hyco.npu.io_spec import read_io_spec
+from hyco.pipeline.cli import main
 from hyco.runtime.mtp import head_step, step_feeds
 
 
@@ -156,11 +156,7 @@ def _clipped_w4_student(tiny, tmp_path):
 
 
 def test_quantsim_integer_weights_are_bit_exact(tiny, tmp_path):
-    from hyco.qat.quantsim import (
-        integer_weights,
-        plain,
-        quantized_linears,
-    )
+    from hyco.qat.quantsim import integer_weights, plain, quantized_linears
 
     sim, _ = _clipped_w4_student(tiny, tmp_path)
     linears = quantized_linears(sim)
@@ -181,7 +177,7 @@ def test_quantsim_integer_weights_are_bit_exact(tiny, tmp_path):
 def qat_run(tiny_family, tmp_path_factory):
     from hyco.vocab.stage import build_vocab
 
-    from hyco.recipe import VocabConfig, load_recipe
+    from hyco.config.recipe import VocabConfig, load_recipe
 
     root = tmp_path_factory.mktemp("qat")
     (root / "vocab").mkdir()
@@ -218,7 +214,7 @@ def test_stage_writes_the_drafter(qat_run):
     # random verifier is a newline loop, and qat's report and summary say so.
     from collections import Counter
 
-    from hyco.answers import read_answers
+    from hyco.data.answers import read_answers
 
     records = read_answers(root / "answers" / "answers.jsonl")
     assert {r["source"] for r in records} == {"greedy"} and {r["split"] for r in records} == {"train", "eval"}
@@ -320,13 +316,19 @@ def test_cli_bad_input_exits_2_without_output(qat_run, tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
-# --- answers (hyco/answers.py): the text qat trains on and calibrate reads ------------------------
+# --- answers (hyco/data/answers.py): the text qat trains on and calibrate reads ------------------------
 
 
 def test_answer_stats_flag_degenerate_text(tmp_path):
     """Stats per split; a split whose top token is over half the tokens, or with fewer than 20
     distinct tokens, is flagged, warned about and named in answers.json."""
-    from hyco.answers import ANSWERS, ANSWERS_REPORT, DegenerateAnswersWarning, read_answers, write_answers
+    from hyco.data.answers import (
+        ANSWERS,
+        ANSWERS_REPORT,
+        DegenerateAnswersWarning,
+        read_answers,
+        write_answers,
+    )
 
     loop = [9] * 30 + [10, 11]  # a greedy loop: 94% one token
     varied = list(range(40, 80))  # 40 distinct tokens, top share 2.5%
@@ -350,7 +352,7 @@ def test_answer_stats_flag_degenerate_text(tmp_path):
 
 
 def test_recipe_answers_section():
-    from hyco.recipe import AnswersConfig, load_recipe
+    from hyco.config.recipe import AnswersConfig, load_recipe
 
     assert AnswersConfig().source == "greedy"  # the paper's source stays the default
     assert load_recipe("recipes/tiny.yaml", ["answers.temperature=0.7"]).answers.temperature == 0.7
@@ -369,8 +371,8 @@ def test_corpus_answers_are_the_templates_rendering(layout, tiny_family, tiny_te
     (its template strips thoughts), or straight after the model header (text-only fixture)."""
     from transformers import AutoTokenizer
 
-    from hyco.answers import corpus_answer_ids, prompt_ids
-    from hyco.chat import EMPTY_THOUGHT
+    from hyco.data.answers import corpus_answer_ids, prompt_ids
+    from hyco.data.chat import EMPTY_THOUGHT
 
     family = tiny_family if layout == "published" else tiny_text_family
     tok = AutoTokenizer.from_pretrained(str(family["tokenizer"]))
@@ -393,9 +395,10 @@ def test_corpus_answers_are_the_templates_rendering(layout, tiny_family, tiny_te
 def test_sampled_answers_are_reproducible_and_not_greedy(tiny_family):
     """Sampled answers: the same records on a rerun (one seed per prompt), text other than the
     greedy answer, every answer cut at its first EOS."""
+    from hyco.answers.generate import generate_answers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hyco.answers import eos_ids_of, generate_answers
+    from hyco.data.answers import eos_ids_of
 
     tok = AutoTokenizer.from_pretrained(str(tiny_family["tokenizer"]))
     verifier = AutoModelForCausalLM.from_pretrained(str(tiny_family["verifier"]), dtype=torch.float32).eval()
@@ -423,11 +426,11 @@ def test_qat_beats_ptq_on_the_tiny_recipes_natural_text(tiny_family_distilled, t
     held-out evaluation answers W4 QAT lowers KL(float head || student) below clip-searched W4 PTQ."""
     import dataclasses
 
+    from hyco.answers.stage import make_answers
     from hyco.qat.stage import build_qat
     from hyco.vocab.stage import build_vocab
 
-    from hyco.answers.stage import make_answers
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     family = tiny_family_distilled
     recipe = load_recipe("recipes/tiny.yaml")
@@ -456,7 +459,7 @@ def test_training_masks_use_the_step_graphs_mask_value():
     import torch
     from hyco.qat.train import model_inputs
 
-    from hyco.captures import Capture
+    from hyco.npu.captures import Capture
 
     n, d = 6, 4
     kv = {layer: (torch.zeros(1, n, d), torch.zeros(1, n, d)) for layer in ("full_attention", "sliding_attention")}

@@ -1,4 +1,4 @@
-"""hyco/qdq_torch.py against onnxruntime CPU, op by op, on graphs built here: the torch executor
+"""hyco/quant/qdq_torch.py against onnxruntime CPU, op by op, on graphs built here: the torch executor
 of check's deployed drafters (the bundle's own graphs: tests/test_check_deployed.py).
 
 Tolerance: integer codes equal exactly (the QuantizeLinear / DequantizeLinear formulas are
@@ -17,15 +17,23 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from hyco.errors import HycoError
-from hyco.qdq_torch import OPS, TorchGraph, dequantize, fake_quantize, grid_bounds, quantize, torch_device
+from hyco.base.errors import HycoError
+from hyco.quant.qdq_torch import (
+    OPS,
+    TorchGraph,
+    dequantize,
+    fake_quantize,
+    grid_bounds,
+    quantize,
+    torch_device,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from capture_check import HostCopies  # noqa: E402
 
 
 def ort_run(path, feeds, names):
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     return ort_session(path).run(names, feeds)
 
@@ -307,7 +315,7 @@ def test_the_device_setting(monkeypatch):
 def test_check_runs_deployed_graphs_by_torch_on_a_gpu_and_by_onnxruntime_without(monkeypatch):
     from hyco.runtime_check.check import deployed_executor
 
-    from hyco.recipe import CheckConfig
+    from hyco.config.recipe import CheckConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert deployed_executor(CheckConfig()) == ("cpu", "cpu")
@@ -323,7 +331,7 @@ def test_a_deployed_pass_could_be_captured(tiny_calibrated, graph):
     ladder's deployed QDQ graph with its weights and feeds on the meta device and its shapes, axes
     and k on the CPU, as the executor binds them (tests/capture_check.py): nothing reads a device
     value back to the host, nothing is copied onto the device."""
-    from hyco.io_spec import GRAPHS, read_io_spec
+    from hyco.npu.io_spec import GRAPHS, read_io_spec
 
     folder = tiny_calibrated / "calibrate"
     spec = read_io_spec(folder / "io_spec.json")[GRAPHS[graph]]

@@ -25,7 +25,7 @@ def write_compressed(src: Path, out: Path) -> Path:
         apply_quantization_config,
     )
 
-    from hyco.loading import load_pretrained
+    from hyco.base.loading import load_pretrained
 
     model = load_pretrained(src, "verifier").eval()
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
@@ -58,9 +58,9 @@ def unpacked(handle, prefix: str) -> torch.Tensor:
 def test_a_compressed_tensors_verifier_computes_what_its_ints_and_scales_say(tiny_family, tmp_path):
     from safetensors import safe_open
 
-    from hyco.loading import SERVER_QUANT, load_verifier, quant_method
-    from hyco.preflight import check_model
-    from hyco.recipe import PlacementConfig
+    from hyco.base.loading import SERVER_QUANT, load_verifier, quant_method
+    from hyco.config.recipe import PlacementConfig
+    from hyco.pipeline.preflight import check_model
     from hyco.runtime.tree import DraftTree
     from hyco.runtime.verifier import ReferenceVerifier, Sampling
 

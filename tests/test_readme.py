@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hyco.cli import build_parser, main
+from hyco.pipeline.cli import build_parser, main
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()

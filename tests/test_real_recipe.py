@@ -17,7 +17,7 @@ RECIPE = Path(__file__).parents[1] / "recipes" / "hyco-gemma-4.yaml"
 def test_the_real_recipe_runs_the_whole_system_on_the_published_tiny_family(tiny_family, tmp_path):
     from ladder import REAL_RECIPE_SIZES, set_args
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     out = tmp_path / "run"
     models = [f"models.{k}={v}" for k, v in tiny_family.items()]

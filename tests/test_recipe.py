@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hyco.errors import HycoError
-from hyco.recipe import (
+from hyco.base.errors import HycoError
+from hyco.config.recipe import (
     CheckConfig,
     ConvertConfig,
     DatasetConfig,

@@ -1,4 +1,4 @@
-"""One Rope for the SLM's host and the MTP step (hyco/host.py): transformers' own inverse
+"""One Rope for the SLM's host and the MTP step (hyco/npu/host.py): transformers' own inverse
 frequencies from rope.json, with its attention_scaling applied to cos and sin, as
 Gemma4TextRotaryEmbedding does. A family whose RoPE scales (YaRN here: 1 + 0.1 ln 4 = 1.139) and
 partial rotary (Gemma 4's proportional full-attention layers: three quarters of the frequencies 0)
@@ -34,7 +34,7 @@ def test_host_rope_and_the_mtp_rows_equal_transformers(tiny_family, sliding):
 
     from hyco.convert.stage import rope_json
 
-    from hyco.host import Rope
+    from hyco.npu.host import Rope
     from hyco.runtime.mtp import rope_rows
 
     config, rot = rotary(tiny_family, sliding)

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hyco.runtime_check.check import PhoneShapes, build_drafter
 from runtime_models import tiny_gemma4  # noqa: E402
 
-from hyco.answers import eos_ids_of
-from hyco.handoff import handoff_states, kv_wire_bytes  # noqa: E402
-from hyco.recipe import CheckConfig  # noqa: E402
+from hyco.config.recipe import CheckConfig  # noqa: E402
+from hyco.data.answers import eos_ids_of
+from hyco.npu.handoff import handoff_states, kv_wire_bytes  # noqa: E402
 from hyco.runtime.configs import CONFIGS, decode_config  # noqa: E402
 from hyco.runtime.decode import decode  # noqa: E402
 from hyco.runtime.drafters import MtpChainTorch, SlmTorch, TreeDrafter  # noqa: E402
@@ -128,7 +128,7 @@ def test_slm_never_prefills_more_than_max_prompt():
 
 
 def assert_handoff_matches(handoff, verifier, text, bonus, new_rows):
-    """`handoff` after committing `text` (bonus sampled after it) against hyco.handoff's plain pass."""
+    """`handoff` after committing `text` (bonus sampled after it) against hyco.npu.handoff's plain pass."""
     states = handoff_states(verifier, torch.tensor(text + [bonus]), "after_norm")
     t = len(text) - 1
     assert handoff.position == t + 1
@@ -190,7 +190,7 @@ def test_handoff_bytes_match_the_formula(family, prompt):
 
 def test_mtp_drafts_from_the_live_handoff_as_from_a_plain_pass(family, prompt):
     """The chain the phone drafts from our hand-offs (float wire) equals qat/mtp.py's chain from
-    hyco.handoff's states over the committed text, which qat's tests tie to transformers."""
+    hyco.npu.handoff's states over the committed text, which qat's tests tie to transformers."""
     verifier, head = family["verifier"], family["assistant"]
     reference = ReferenceVerifier(verifier, GREEDY)
     mtp = MtpChainTorch(head, verifier, keep_ids=None, window=1024, quantize_wire=False)
@@ -469,7 +469,8 @@ def slm_graphs(ladder):
 def greedy_answers(family: dict, vocab: Path, out: Path) -> Path:
     """The answers stage on `family`: the verifier's greedy answers (40 / 24 new tokens)."""
     from hyco.answers.stage import make_answers
-    from hyco.recipe import AnswersConfig
+
+    from hyco.config.recipe import AnswersConfig
 
     make_answers(verifier=family["verifier"], tokenizer=family["tokenizer"], vocab=vocab, out=out,
                  config=AnswersConfig(max_new_tokens_train=40, max_new_tokens_eval=24, max_prompt_tokens=48))
@@ -480,7 +481,7 @@ def greedy_answers(family: dict, vocab: Path, out: Path) -> Path:
 def mtp_graphs(tiny_family, phone_vocab, tmp_path_factory):
     from hyco.qat.stage import build_qat
 
-    from hyco.recipe import QatConfig
+    from hyco.config.recipe import QatConfig
 
     out = tmp_path_factory.mktemp("qat")
     build_qat(verifier=tiny_family["verifier"], assistant=tiny_family["assistant"], tokenizer=tiny_family["tokenizer"],
@@ -529,7 +530,7 @@ def srq_free_slm(tiny_family, tmp_path_factory):
 def srq_free_graphs(srq_free_slm, tiny_family, phone_vocab, tmp_path_factory):
     from hyco.convert.stage import convert
 
-    from hyco.recipe import ConvertConfig
+    from hyco.config.recipe import ConvertConfig
 
     out = tmp_path_factory.mktemp("convert_srq_free")
     convert(checkpoint=srq_free_slm, out=out, tokenizer=tiny_family["tokenizer"],
@@ -587,7 +588,7 @@ def test_onnxruntime_slm_matches_the_float_slm(srq_free_slm, srq_free_graphs, ke
 
 def lut_embed(mtp_graphs, keep):
     """The phone's embedding of a drafted token (qat's 8-bit table), as an `embed_fn` for torch."""
-    from hyco.embed_lut import EmbedLut
+    from hyco.npu.embed_lut import EmbedLut
 
     lut = EmbedLut.load(mtp_graphs / "embed_lut.safetensors")
     return lambda ids: torch.from_numpy(lut.rows(torch.searchsorted(keep, ids.reshape(-1)).numpy()))
@@ -705,8 +706,8 @@ def test_int4_step_graph_stays_within_4bit_weight_noise(family, mtp_graphs, keep
 def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):
     from hyco.runtime_check.check import run_check
 
-    from hyco.errors import HycoError
-    from hyco.recipe import DatasetConfig
+    from hyco.base.errors import HycoError
+    from hyco.config.recipe import DatasetConfig
 
     with pytest.raises(HycoError, match=r"needs the qat stage's graphs, but .*missing-qat/io_spec.json"):
         run_check(verifier=tmp_path, assistant=tmp_path, slm=tmp_path, tokenizer=tmp_path, vocab_dir=None,
@@ -717,7 +718,7 @@ def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):
 
 
 def test_mtp_graph_refuses_settings_it_was_not_built_for(mtp_graphs, keep):
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
     from hyco.runtime.mtp_onnx import MtpChainOnnx
 
     args = {"keep_ids": keep, "window": WINDOW, "capture_point": "after_norm", "quantize_wire": True}
@@ -732,7 +733,7 @@ def test_mtp_graph_refuses_settings_it_was_not_built_for(mtp_graphs, keep):
 
 
 def test_slm_graph_refuses_another_ring(slm_graphs, keep):
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
     from hyco.runtime.slm_onnx import SlmOnnx
 
     with pytest.raises(HycoError, match=r"\[128\] full-attention ring slots, but the check expects convert.ring_full 64"):
@@ -876,7 +877,7 @@ def distilled_graphs(tiny_family_distilled, phone_vocab, tmp_path_factory):
     from hyco.convert.stage import convert
     from hyco.qat.stage import build_qat
 
-    from hyco.recipe import ConvertConfig, QatConfig
+    from hyco.config.recipe import ConvertConfig, QatConfig
 
     family = tiny_family_distilled
     slm_out, qat_out = tmp_path_factory.mktemp("convert-distilled"), tmp_path_factory.mktemp("qat-distilled")

@@ -7,8 +7,8 @@ import pytest
 import torch
 import yaml
 
-from hyco.cli import main
-from hyco.recipe import CheckConfig
+from hyco.config.recipe import CheckConfig
+from hyco.pipeline.cli import main
 from hyco.runtime.configs import decode_config
 
 CONFIGS = ["hyco", "hyco-exact", "hyco-2p", "specedge", "specedge-pd", "cloud-mtp", "slm-alone"]
@@ -145,7 +145,7 @@ def test_the_phone_shapes_come_from_convert_and_qat(tiny_family, tmp_path, capsy
     qat): the check section no longer takes them, and changing them there reruns the check."""
     from hyco.runtime_check import stage
 
-    from hyco.recipe import load_recipe
+    from hyco.config.recipe import load_recipe
 
     recipe_path = write_recipe(tmp_path / "recipe.yaml", tiny_family)
     recipe = load_recipe(recipe_path)
@@ -272,7 +272,7 @@ def test_a_second_process_decodes_its_share_to_the_same_figures(ladder, tmp_path
 
     from ladder import LADDER, RECIPE, set_args
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     configs = "check.configs=[hyco,hyco-exact,cloud-mtp,specedge,slm-alone]"
     reports = {}

@@ -125,7 +125,7 @@ def heads(head_dirs):
 def test_the_head_chain_drafts_the_checks_greedy_chain(models, heads, kind, context):
     """The server's K head steps on the device give the tokens of check's own chain (`draft_chain`,
     the host's reference), a plain head and a centroid-masked one, before and past the window."""
-    from hyco.handoff import embed_tokens
+    from hyco.npu.handoff import embed_tokens
     from hyco.runtime.mtp import draft_chain
 
     verifier, head = models["verifier"], heads[kind]
@@ -142,7 +142,7 @@ def test_the_head_chain_could_be_captured(tiny_family, models, head_dirs, kind, 
     in transformers' own step: a padding mask (check's head_step passes ones; transformers asks
     whether to skip it) and a masked head's fill (`.item()`): the chain passes no mask and fills on
     the device (`masked_logits`)."""
-    from hyco.handoff import StepInput
+    from hyco.npu.handoff import StepInput
     from hyco.runtime import server_timing
 
     start = _handoff(models["verifier"], 40)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.fixtures import shipped
 from hyco.fixtures.cache import generate_family, source_hash
 
@@ -63,8 +63,8 @@ def test_a_stale_shipped_copy_is_not_used(tmp_path, monkeypatch):
 
 
 def test_fixtures_stage_copies_the_shipped_draw(tmp_path):
+    from hyco.config.recipe import FixturesConfig
     from hyco.fixtures.stage import build_fixtures
-    from hyco.recipe import FixturesConfig
 
     out = tmp_path / "fixtures"
     out.mkdir()

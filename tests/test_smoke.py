@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyco.io_spec import GraphSpec, TensorSpec
+from hyco.npu.io_spec import GraphSpec, TensorSpec
 
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (QNN HTP backend absent)")
 
 
 def test_pass_comparison_counts_ties_and_mismatches():
-    from hyco.pass_compare import PassLog
+    from hyco.quant.pass_compare import PassLog
 
     log = PassLog(tolerance=0.1)
     names = ["topk_logprobs", "topk_ids"]
@@ -46,7 +46,7 @@ def test_pass_comparison_counts_ties_and_mismatches():
 
 
 def test_new_kv_rows_are_held_to_their_step_bound_in_codes_and_in_float():
-    from hyco.pass_compare import PassLog
+    from hyco.quant.pass_compare import PassLog
 
     names = ["topk_logprobs", "topk_ids", "new_k_0", "new_v_0"]
     lp, ids = np.array([[-1.0, -2.0]]), np.array([[5, 7]])
@@ -65,7 +65,7 @@ def test_new_kv_rows_are_held_to_their_step_bound_in_codes_and_in_float():
 def test_top1_share_is_reported_per_graph_and_flags_a_graph_under_the_floor():
     from hyco.export.smoke import TOP1_FLOOR, below_top1_floor, pass_totals
 
-    from hyco.pass_compare import PassLog
+    from hyco.quant.pass_compare import PassLog
 
     names = ["topk_logprobs", "topk_ids"]
     cpu = [np.array([[-1.0, -1.05, -3.0]] * 10), np.array([[5, 7, 9]] * 10)]
@@ -163,7 +163,7 @@ def test_smoke_agrees_with_cpu_on_every_round_of_two_prompts(smoked, tiny_export
     within the graph's bounds, which are calibrate's (io_spec `htp_logprob_bound`,
     `htp_kv_step_bound`: the HTP's measured per-op codes carried through the graph). The committed text is
     the verifier's sampled text, not one repeated token, on prompts chosen for that."""
-    from hyco.io_spec import read_io_spec
+    from hyco.npu.io_spec import read_io_spec
 
     _, bundle = tiny_export_distilled
     specs = read_io_spec(bundle / "io_spec.json")
@@ -190,7 +190,7 @@ def test_smoke_needs_the_bound_or_a_tolerance(tmp_path):
     the file named, unless a tolerance is given."""
     from hyco.export.smoke import graph_bounds
 
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
 
     specs = {"tree.qdq.onnx": GraphSpec("tree.qdq.onnx", (), (), {"htp_logprob_bound": 0.3}),
              "mtp_step.qdq.onnx": GraphSpec("mtp_step.qdq.onnx", (), (), {})}
@@ -208,7 +208,7 @@ def test_check_runs_both_drafters_on_the_bundle_with_the_qnn_backend(tiny_export
     import json
     from pathlib import Path
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     run_dir, bundle = tiny_export_distilled
     run = tmp_path / "run"
@@ -271,8 +271,8 @@ def softcap_fault_copy(bundle, out, graph: str = "prefill"):
     import onnx
     from onnx import helper, numpy_helper
 
-    from hyco.bundle import file_table
-    from hyco.qnn import compile_isolated
+    from hyco.qnn.bundle import file_table
+    from hyco.qnn.contexts import compile_isolated
 
     shutil.copytree(bundle, out)
     meta = json.loads((out / "bundle.json").read_text())
@@ -322,7 +322,7 @@ def test_smoke_fails_on_a_bundle_compiled_with_the_softcap_fault(smoked, tiny_ex
     Tanh (which calibrate no longer emits). smoke must refuse it on the prefill passes."""
     from hyco.export.smoke import smoke
 
-    from hyco.pass_compare import PassLog
+    from hyco.quant.pass_compare import PassLog
 
     assert smoked["passed"], smoked["headline"]
     bundle = softcap_fault_copy(tiny_export_distilled[1], tmp_path / "bundle")
@@ -355,7 +355,7 @@ def test_smoke_fails_on_a_bundle_with_one_activation_scale_off_by_2x(smoked, tin
     report = smoke(bundle=bundle, verifier=tiny_family_distilled["verifier"], prompts=2, rounds=2, tolerance=None,
                    isolate=True, out=tmp_path / "smoke")
     assert not report["passed"], report["headline"]
-    from hyco.pass_compare import PassLog
+    from hyco.quant.pass_compare import PassLog
 
     wrong = [p for p in report["passes"] if p["role"] == graph and not PassLog.ok(p)]
     assert wrong, report["by_graph"][graph]  # the mutated graph's own passes disagree

@@ -1,13 +1,13 @@
-"""hyco/launch.py's rules without a launcher: the identity outside a launch, and the refusals inside
+"""hyco/base/launch.py's rules without a launcher: the identity outside a launch, and the refusals inside
 one (tests/test_launch.py launches real processes, in the slow tier)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hyco.cli import main
-from hyco.errors import HycoError
-from hyco.launch import in_order, is_follower, my_positions, run_split
+from hyco.base.errors import HycoError
+from hyco.base.launch import in_order, is_follower, my_positions, run_split
+from hyco.pipeline.cli import main
 
 
 def test_outside_a_launch_everything_is_one_process(monkeypatch):

@@ -101,7 +101,7 @@ def shared_run(tiny_family_distilled, tmp_path_factory):
 def run(family: dict[str, Path], slm: Path, out: Path, extra: list[str] = ()) -> int:
     from ladder import RECIPE, set_args
 
-    from hyco.cli import main
+    from hyco.pipeline.cli import main
 
     models = [f"models.{k}={v}" for k, v in family.items() if k != "slm"] + [f"models.slm={slm}"]
     return main(["run", str(RECIPE), "--out", str(out), "--allow-parity-failure", *set_args([*SIZES, *models, *extra])])

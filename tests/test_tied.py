@@ -16,8 +16,8 @@ from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 from test_convert import write_keep_set
 
-from hyco.errors import HycoError
-from hyco.recipe import ConvertConfig
+from hyco.base.errors import HycoError
+from hyco.config.recipe import ConvertConfig
 
 EMBED = "model.embed_tokens"
 
@@ -134,7 +134,7 @@ def _graph_lm_head(out, graph):
     """The tree/prefill graph's output-layer ints [keep, hidden] and scales [keep], read back here."""
     from onnx.external_data_helper import load_external_data_for_tensor
 
-    from hyco.int4 import unpack_int4
+    from hyco.formats.int4 import unpack_int4
 
     enc = json.loads((out / "encodings.json").read_text())["weights"]["lm_head"]
     model = onnx.load(str(out / graph), load_external_data=False)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from ladder import STAGES
 
-from hyco import verdict
-from hyco.artifacts import StageEnd, finish_stage
-from hyco.errors import ProofFailed
+from hyco.base.errors import ProofFailed
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import StageEnd, finish_stage
 
 LINE = re.compile(r"^- \*\*(PASS|FAIL|OFF|INFO|WARN)\*\* ")
 
@@ -84,8 +84,8 @@ def _fake_stage(fail: bool):
 def test_a_run_whose_proof_failed_says_so_first(tmp_path, monkeypatch, allow):
     """Stopped at the failed proof: run_summary.md still written, FAILED at the stage with why;
     kept with --allow-parity-failure: FAILED, the failing line among the proofs."""
-    from hyco import pipeline
-    from hyco.recipe import Recipe
+    from hyco.config.recipe import Recipe
+    from hyco.pipeline import run as pipeline
 
     monkeypatch.setattr(pipeline, "load_stage", lambda name: _fake_stage(fail=True))
     recipe = Recipe(name="t", out=str(tmp_path), stages=("convert",))

@@ -13,14 +13,14 @@ import pytest
 import torch
 from hyco.vocab.corpus import assistant_view
 from hyco.vocab.stage import build_vocab
-from reruns import differences
 
-from hyco.chat import TruncatedWarning
-from hyco.cli import main
-from hyco.errors import HycoError
-from hyco.keepset import load_keep_set, load_tokenizer, tokenizer_hash
-from hyco.recipe import DatasetConfig, VocabConfig
-from hyco.restrict import restrict_output_layer
+from hyco.base.errors import HycoError
+from hyco.config.recipe import DatasetConfig, VocabConfig
+from hyco.data.chat import TruncatedWarning
+from hyco.data.keepset import load_keep_set, load_tokenizer, tokenizer_hash
+from hyco.npu.restrict import restrict_output_layer
+from hyco.pipeline.cli import main
+from hyco.pipeline.compare import differences
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"] + [f"<unused{i}>" for i in range(17)]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -424,7 +424,7 @@ vocab:
 
 
 def test_fixture_tokenizer_keeps_every_always_kept_category(tiny_family, tmp_path):
-    from hyco.keepset import BYTE_TOKENS, SCRIPT_RANGES
+    from hyco.data.keepset import BYTE_TOKENS, SCRIPT_RANGES
 
     tokenizer = tiny_family["tokenizer"]
     tok = load_tokenizer(tokenizer)
@@ -461,7 +461,7 @@ def test_restricting_the_fixture_heads(tiny_family, tmp_path):
     same logits at the kept ids as the full heads on the same hidden states."""
     from transformers import AutoModelForCausalLM
 
-    from hyco.loading import load_pretrained
+    from hyco.base.loading import load_pretrained
 
     torch.manual_seed(0)
     slm = load_pretrained(tiny_family["slm"], "slm", float_checkpoint=False, dtype=torch.float32)
@@ -484,7 +484,7 @@ def test_restricting_the_fixture_heads(tiny_family, tmp_path):
 def test_heldout_split_and_prompt_reader(hand_tokenizer, tmp_path):
     import datasets
 
-    from hyco.keepset import load_prompts
+    from hyco.data.keepset import load_prompts
 
     folder = tmp_path / "chat" / "data"
     folder.mkdir(parents=True)
@@ -535,7 +535,7 @@ def test_placeholders_left_out_unless_the_recipe_keeps_them(hand_tokenizer, hand
 
 
 def test_chat_markers_come_from_the_template(hand_tokenizer):
-    from hyco.keepset import always_kept, chat_marker_ids
+    from hyco.data.keepset import always_kept, chat_marker_ids
 
     tok = load_tokenizer(hand_tokenizer)
     ids, how = chat_marker_ids(tok)
@@ -558,7 +558,7 @@ def test_real_gemma_tokenizer_categories(tmp_path, monkeypatch):
     40 packaged ShareGPT conversations only, and the 33 MB tokenizer is loaded once, to stay fast."""
     from hyco.vocab import stage
 
-    from hyco.keepset import always_kept
+    from hyco.data.keepset import always_kept
 
     tok = load_tokenizer(REAL_TOKENIZER)
     monkeypatch.setattr(stage, "load_tokenizer", lambda path: tok if Path(path) == REAL_TOKENIZER else None)

@@ -1,4 +1,4 @@
-"""hyco/workers.py: jobs in spawned worker processes, side by side (calibrate's tree and prefill
+"""hyco/base/workers.py: jobs in spawned worker processes, side by side (calibrate's tree and prefill
 graphs, export's isolated compiles)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def _job(tag: str, seconds: float) -> tuple[str, int, float, float]:
 
 
 def _fails(path: str) -> None:
-    from hyco.errors import HycoError
+    from hyco.base.errors import HycoError
 
     raise HycoError(f"{path}: tensor 'w' has the wrong shape")
 
@@ -26,11 +26,11 @@ def _dies() -> None:
 
 
 def test_jobs_run_at_once_in_their_own_processes_and_peaks_add_up(monkeypatch):
-    import hyco.artifacts as artifacts
-    from hyco.workers import in_processes
+    import hyco.base.memory as memory
+    from hyco.base.workers import in_processes
 
     noted = []
-    monkeypatch.setattr(artifacts, "note_child_peak", lambda child, parent: noted.append((child, parent)))
+    monkeypatch.setattr(memory, "note_child_peak", lambda child, parent: noted.append((child, parent)))
     results = in_processes(_job, [("a", 4.0), ("b", 4.0)], "two sleeps")  # long enough for a slow start
     assert [r[0] for r in results] == ["a", "b"]  # in job order
     assert len({r[1] for r in results} | {os.getpid()}) == 3  # two workers, neither of them this process
@@ -38,12 +38,12 @@ def test_jobs_run_at_once_in_their_own_processes_and_peaks_add_up(monkeypatch):
     assert start_b < end_a and start_a < end_b  # the sleeps overlapped
     (children, parent), = noted
     assert children > 2 * 5  # two interpreters' peaks, summed (each well over 5 MiB)
-    assert parent == pytest.approx(artifacts.rss_mb(), rel=0.5)  # this process's RSS as they started
+    assert parent == pytest.approx(memory.rss_mb(), rel=0.5)  # this process's RSS as they started
 
 
 def test_a_worker_s_error_is_raised_as_it_was_and_a_dead_worker_is_named():
-    from hyco.errors import HycoError
-    from hyco.workers import in_processes
+    from hyco.base.errors import HycoError
+    from hyco.base.workers import in_processes
 
     with pytest.raises(HycoError, match=r"^/x/g\.onnx: tensor 'w' has the wrong shape$"):
         in_processes(_fails, [("/x/g.onnx",)], "checking g")
@@ -52,7 +52,7 @@ def test_a_worker_s_error_is_raised_as_it_was_and_a_dead_worker_is_named():
 
 
 def _threads() -> int:
-    from hyco.workers import cpu_threads
+    from hyco.base.workers import cpu_threads
 
     return cpu_threads()
 
@@ -65,8 +65,9 @@ def test_workers_take_their_share_of_the_cores_and_sessions_use_it(tmp_path, mon
     import numpy as np
     from test_int4_matmul import weight_graph
 
-    from hyco import ort, workers
-    from hyco.ort import ort_session
+    from hyco.base import workers
+    from hyco.qnn import ort
+    from hyco.qnn.ort import ort_session
 
     monkeypatch.setattr(ort, "SMALL_GRAPH_BYTES", 0)  # this graph is small: keep the default's every-core pool
     assert workers.cpu_threads() == 0

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hyco.runtime_check.bootstrap import cluster_sums, paired_relative_ci, ratio_ci
 
-from hyco.errors import HycoError
-from hyco.workloads import read_workload
+from hyco.base.errors import HycoError
+from hyco.data.workloads import read_workload
 
 
 def write_lines(path: Path, records: list) -> Path:
@@ -78,7 +78,7 @@ def sb480(tmp_path: Path) -> list:
 
 
 def test_a_subset_of_a_spec_bench_file_spans_its_categories(tmp_path):
-    from hyco.workloads import even_subset
+    from hyco.data.workloads import even_subset
 
     questions = sb480(tmp_path)
     subset = even_subset(questions, 13, seed=0)
@@ -97,7 +97,7 @@ def test_a_subset_of_a_spec_bench_file_spans_its_categories(tmp_path):
 
 
 def test_a_category_with_fewer_questions_than_its_share_gives_way_to_the_others(tmp_path):
-    from hyco.workloads import even_subset
+    from hyco.data.workloads import even_subset
 
     questions = sb480(tmp_path)[:410]  # rag (80), then writing, the only small one, cut to 10
     subset = even_subset(questions, 70, seed=0)  # 11-12 a category, but writing has 10

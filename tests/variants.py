@@ -100,11 +100,11 @@ def refit_srq(folder: Path) -> None:
     """Every nonzero SRQ scale of the SLM in `folder` set again as the fixture writer sets it
     (`hyco.fixtures.slm.calibrate`: SRQ_MARGIN x absmax / 127 of the linear's input or output, SRQ
     off, on the same corpus text), measured through transformers' own loader of the QAT format."""
+    from hyco.base.loading import load_pretrained
     from hyco.fixtures.presets import get_preset
     from hyco.fixtures.slm import INT8_MAX, SRQ_MARGIN
     from hyco.fixtures.tokenizer import read_training_text
     from hyco.fixtures.writer import DATASET, calibration_ids
-    from hyco.loading import load_pretrained
 
     shards = {shard: load_file(str(shard)) for shard in sorted(folder.glob("*.safetensors"))}
     fitted = {name for tensors in shards.values() for name, t in tensors.items()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from hyco.cli import stage_command
-from hyco.recipe import DatasetConfig, VocabConfig, to_dict
+from hyco.config.recipe import DatasetConfig, VocabConfig, to_dict
+from hyco.pipeline.cli import stage_command
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def _cmd_vocab(args: argparse.Namespace, paths: dict, vocab: VocabConfig, datase
 
     from hyco.vocab.stage import build_vocab
 
-    from hyco.artifacts import run_stage, stage_state
+    from hyco.pipeline.artifacts import run_stage, stage_state
 
     out, tokenizer = paths["out"], paths["tokenizer"]
     inputs = {"tokenizer": tokenizer}
@@ -43,5 +43,5 @@ def _cmd_vocab(args: argparse.Namespace, paths: dict, vocab: VocabConfig, datase
     short = {k: f"{v}/{s['requested'][k]}" for k, v in s["got"].items() if v < s["requested"][k]}
     if short:
         print(f"note: the corpus ran out before every pool was full (got/requested: {short})")
-    print(f"next: convert/, qat/ and calibrate/ read {out} (hyco.keepset.load_keep_set, load_prompts)")
+    print(f"next: convert/, qat/ and calibrate/ read {out} (hyco.data.keepset.load_keep_set, load_prompts)")
     return 0

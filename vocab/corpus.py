@@ -2,7 +2,7 @@
 
 Pools: `count` (the keep set's frequency counts), `train` / `eval` (reserved prompt
 conversations for QAT and calibration, never counted), `heldout` (the coverage report). The
-`eval` pool takes the first eligible conversations of the evaluation partition (hyco/splits.py),
+`eval` pool takes the first eligible conversations of the evaluation partition (hyco/data/splits.py),
 which the `train` pool and the fixtures' distillation never read, so evaluation prompts are
 unseen by construction (the rest of the partition may be counted or held out). Each
 conversation read goes to exactly one pool, drawn with a seeded generator in proportion to the
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hyco.chat import Conversation
-from hyco.splits import is_evaluation
+from hyco.data.chat import Conversation
+from hyco.data.splits import is_evaluation
 
 POOLS = ("count", "train", "eval", "heldout")
 _PROBE = "Probe answer, line one.\nLine two."

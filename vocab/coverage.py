@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyco.keepset import frequency_order
+from hyco.data.keepset import frequency_order
 
 REFERENCE_LABELS = {21_000: "21K", 45_000: "45K", 86_089: "86K"}
 
@@ -53,7 +53,7 @@ def share_at(sizes: np.ndarray, share: np.ndarray, n: int) -> float:
 
 
 def plot_coverage(path: Path, sizes: np.ndarray, share: np.ndarray, marks: list[dict], requested: int, title: str) -> None:
-    from hyco.plots import save
+    from hyco.pipeline.plots import save
 
     save(coverage_figure(sizes, share, marks, requested, title), path, dpi=100)
 
@@ -61,7 +61,7 @@ def plot_coverage(path: Path, sizes: np.ndarray, share: np.ndarray, marks: list[
 def coverage_figure(sizes: np.ndarray, share: np.ndarray, marks: list[dict], requested: int, title: str):
     """The outside share against the keep-set size, each comparison size marked with its size in
     this vocabulary (the paper's sizes scaled to it) and the requested size as a red point."""
-    from hyco.plots import LOWER, better, new_figure
+    from hyco.pipeline.plots import LOWER, better, new_figure
 
     vocab_size = int(sizes[-1]) if len(sizes) else max([requested, *(m["size"] for m in marks)])
     fig = new_figure(7.0, 4.4)

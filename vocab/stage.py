@@ -17,12 +17,12 @@ import numpy as np
 from hyco.vocab.corpus import Deal, TokenCounter, assistant_view, deal
 from hyco.vocab.coverage import comparison_sizes, mark_label, outside_share_curve, plot_coverage, share_at
 
-from hyco import verdict
-from hyco.artifacts import StageEnd, fingerprint, finish_stage, markdown_table, write_json
-from hyco.chat import PACKAGED, iter_conversations
-from hyco.console import progress
-from hyco.errors import HycoError
-from hyco.keepset import (
+from hyco.base.console import progress
+from hyco.base.errors import HycoError
+from hyco.base.files import fingerprint, write_json
+from hyco.config.recipe import DatasetConfig, Recipe, VocabConfig, to_dict
+from hyco.data.chat import PACKAGED, iter_conversations
+from hyco.data.keepset import (
     CATEGORIES,
     KEEP_SET,
     KEEP_TO_VOCAB,
@@ -36,8 +36,9 @@ from hyco.keepset import (
     select_keep_set,
     tokenizer_hash,
 )
-from hyco.recipe import DatasetConfig, Recipe, VocabConfig, to_dict
-from hyco.splits import EVAL_BUCKETS
+from hyco.data.splits import EVAL_BUCKETS
+from hyco.pipeline import verdict
+from hyco.pipeline.artifacts import StageEnd, finish_stage, markdown_table
 
 TOKEN_COUNTS = "token_counts.npy"
 
@@ -178,7 +179,7 @@ def _coverage_report(counters, always, config: VocabConfig, vocab_size, keep_set
         "conversations_read": main.read,
         "conversations_skipped": main.skipped,
         # Eval prompts come only from this partition, which distillation and the other pools never read.
-        "evaluation_partition": f"sha256 of the first user turn, 1 bucket in {EVAL_BUCKETS} (hyco/splits.py)",
+        "evaluation_partition": f"sha256 of the first user turn, 1 bucket in {EVAL_BUCKETS} (hyco/data/splits.py)",
         "assistant_text": view_label,
         "tokenizer": keep_set["tokenizer"],
         "dataset": keep_set["dataset"],

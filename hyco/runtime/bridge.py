@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyco.errors import HycoError
+from hyco.base.errors import HycoError
 from hyco.runtime.tree import DraftTree
 
 LAST_WORD = re.compile(r"\s*\S*\Z")

@@ -42,8 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from hyco.errors import HycoError
-from hyco.recipe import CheckConfig
+from hyco.base.errors import HycoError
+from hyco.config.recipe import CheckConfig
 
 
 @dataclass(frozen=True)

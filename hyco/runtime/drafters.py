@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from hyco.errors import HycoError
-from hyco.handoff import StepInput, embed_tokens
+from hyco.base.errors import HycoError
+from hyco.npu.handoff import StepInput, embed_tokens
 from hyco.runtime.configs import DecodeConfig
 from hyco.runtime.mtp import Draft, draft_chain
 from hyco.runtime.tree import DraftTree, add_slm_children, plant_chain, trim_with_map

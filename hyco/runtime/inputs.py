@@ -7,19 +7,19 @@ from pathlib import Path
 
 import torch
 
-from hyco.errors import HycoError
-from hyco.recipe import DatasetConfig
+from hyco.base.errors import HycoError
+from hyco.config.recipe import DatasetConfig
 
 
 def load_model(path: Path, what: str, placement=None):
     """`placement` (recipe.PlacementConfig; the verifier and the server's head): its dtype and
     devices, as answers and qat place the verifier (`loading.load_verifier`); None: float32 on the
     CPU (the SLM always: it stands in for the phone)."""
-    from hyco.loading import check_scales, checkpoint_files, load_pretrained, load_verifier
+    from hyco.base.loading import check_scales, checkpoint_files, load_pretrained, load_verifier
 
     quantized = what == "SLM"  # the QAT-format checkpoint: integer weights and their scales
     if quantized:
-        from hyco.ct_format import gemma_layout
+        from hyco.formats.ct_format import gemma_layout
 
         path = gemma_layout(path)  # a -ct checkpoint: its proven -transformers transcode
         check_scales(checkpoint_files(path, what))
@@ -40,20 +40,20 @@ def _first_user(turns) -> list[str]:
 def load_prompt_texts(*, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
                       all_available: bool = False) -> list[str]:
     """First user turns: the vocab stage's reserved evaluation prompts when it ran, else the first
-    conversations of the dataset's evaluation partition (hyco/splits.py), which no fixture
+    conversations of the dataset's evaluation partition (hyco/data/splits.py), which no fixture
     distillation trains on. `all_available`: every reserved prompt (at least `count`), for a
     caller that chooses among them."""
     texts = []
     prompts_file = Path(vocab_dir) / "prompts.jsonl" if vocab_dir else None
     if prompts_file is not None and prompts_file.is_file():
-        from hyco.keepset import load_prompts as load_reserved
+        from hyco.data.keepset import load_prompts as load_reserved
 
         for record in load_reserved(prompts_file):
             if record.get("split") == "eval":
                 texts += _first_user(record["turns"])
     else:
-        from hyco.chat import iter_conversations
-        from hyco.splits import is_evaluation
+        from hyco.data.chat import iter_conversations
+        from hyco.data.splits import is_evaluation
 
         for conv in iter_conversations(dataset.source, dataset.schema, dataset.split):
             if not is_evaluation(conv):
@@ -69,7 +69,7 @@ def load_prompt_texts(*, vocab_dir: Path | None, dataset: DatasetConfig, count: 
 def load_prompts(tokenizer, *, vocab_dir: Path | None, dataset: DatasetConfig, count: int,
                  all_available: bool = False) -> list[list[int]]:
     """`load_prompt_texts` formatted with the tokenizer's chat template."""
-    from hyco.workloads import chat_ids
+    from hyco.data.workloads import chat_ids
 
     texts = load_prompt_texts(vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=all_available)
     return [chat_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hyco.handoff import StepInput, attention_masks
-from hyco.host import SHORT, Rope
-from hyco.io_spec import GraphSpec
-from hyco.npu_ops import CENTROID_GAP, centroid_masked
+from hyco.npu.handoff import StepInput, attention_masks
+from hyco.npu.host import SHORT, Rope
+from hyco.npu.io_spec import GraphSpec
+from hyco.npu.ops import CENTROID_GAP, centroid_masked
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def scored_logits(head: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     transformers' centroid-masked head (`use_ordered_embeddings`) scores the tokens of its top
     clusters and fills every other token with one value, the scored minimum - 1: a placeholder,
     not a score (and taken over the whole batch). The phone's step graph puts those tokens
-    CENTROID_GAP below the row's best, which leaves them no mass in float32 (hyco/npu_ops.py
+    CENTROID_GAP below the row's best, which leaves them no mass in float32 (hyco/npu/ops.py
     `centroid_mask`); so does this, recognising the fill as the row's minimum, below every scored
     logit. In BF16 the fill can round onto the scored minimum, which then goes too: the least
     likely scored token, with no bearing on a top-k."""

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hyco.embed_lut import EMBED_LUT, EmbedLut
-from hyco.errors import HycoError
-from hyco.handoff import StepInput
-from hyco.host import SHORT
-from hyco.io_spec import read_io_spec
-from hyco.ort import ort_session
+from hyco.base.errors import HycoError
+from hyco.npu.embed_lut import EMBED_LUT, EmbedLut
+from hyco.npu.handoff import StepInput
+from hyco.npu.host import SHORT
+from hyco.npu.io_spec import read_io_spec
+from hyco.qnn.ort import ort_session
 from hyco.runtime.drafters import HandoffWindow
 from hyco.runtime.mtp import Draft, rope_rows, step_feeds
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hyco.errors import HycoError
-from hyco.loading import read_json
+from hyco.base.errors import HycoError
+from hyco.base.loading import read_json
 
 GRAPHS = ("tree", "prefill", "mtp_step")
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyco.artifacts import read_json
-from hyco.errors import HycoError
-from hyco.grids import clamp_to_grid
-from hyco.io_spec import GRAPHS, GraphSpec, read_io_spec
+from hyco.base.errors import HycoError
+from hyco.base.loading import read_json
+from hyco.npu.io_spec import GRAPHS, GraphSpec, read_io_spec
+from hyco.quant.grids import clamp_to_grid
 from hyco.runtime.mtp_onnx import MtpChainOnnx
 from hyco.runtime.slm_onnx import SlmOnnx
 
@@ -34,10 +34,10 @@ SPEC_KEYS = GRAPHS  # role -> io_spec key (calibrate's file names)
 
 def _open(path: str, backend: str, soc_model: int):
     if backend == "qnn":
-        from hyco.qnn import open_context
+        from hyco.qnn.contexts import open_context
 
         return open_context(Path(path), soc_model=soc_model)
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
 
     return ort_session(Path(path))
 
@@ -156,7 +156,7 @@ class BundleSessions:
 
     def __init__(self, bundle: Path, *, backend: str = "qnn", isolate: bool = True, device: str = "auto"):
         """backend: `qnn` (the context binaries), `cpu` (the reference QDQ graphs on onnxruntime
-        CPU) or `torch` (the same graphs through `hyco.qdq_torch` on `device`)."""
+        CPU) or `torch` (the same graphs through `hyco.quant.qdq_torch` on `device`)."""
         if backend not in ("qnn", "cpu", "torch"):
             raise HycoError(f"backend must be 'qnn', 'cpu' or 'torch', but got {backend!r}")
         self.bundle, self.backend, self.isolate = Path(bundle), backend, isolate
@@ -203,7 +203,7 @@ class BundleSessions:
                 if len(parts) == 1:
                     self.graphs[role] = parts[0]
                 else:
-                    from hyco.qnn import ChainedSession
+                    from hyco.qnn.contexts import ChainedSession
 
                     self.graphs[role] = ChainedSession([
                         (s, [t["name"] for t in p["io"]["inputs"]], [t["name"] for t in p["io"]["outputs"]])
@@ -213,7 +213,7 @@ class BundleSessions:
         return self.graphs[role]
 
     def _torch_graph(self, path: Path):
-        from hyco.qdq_torch import TorchGraph, torch_device
+        from hyco.quant.qdq_torch import TorchGraph, torch_device
 
         device = torch_device(self.device)
         return TorchGraph(path, device=device, shared=self.folded, cuda_graph=device.type == "cuda")

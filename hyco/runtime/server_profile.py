@@ -34,8 +34,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hyco.errors import HycoError
-from hyco.loading import read_json
+from hyco.base.errors import HycoError
+from hyco.base.loading import read_json
 from hyco.runtime.server_timing import ServerTimes
 
 PAPER_PROFILE = "paper-26b-a4b"

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from hyco.artifacts import fingerprint, write_json
-from hyco.cuda_graphs import capture, refusal
-from hyco.handoff import input_device
+from hyco.base.files import fingerprint, write_json
+from hyco.npu.handoff import input_device
+from hyco.quant.cuda_graphs import capture, refusal
 from hyco.runtime.mtp import fill_on_device, shared_kv
 
 CPU_LABEL = "CPU, not a server GPU"

@@ -1,7 +1,7 @@
 """The SLM Drafter on convert/'s static graphs through onnxruntime (CPU, optimisations off).
 
 Same interface as `SlmTorch` (start / commit / propose). Feeds come from io_spec.json and
-hyco/host.py's numpy pieces (LUT lookup, rotary tables, KV ring, masks), as on the phone:
+hyco/npu/host.py's numpy pieces (LUT lookup, rotary tables, KV ring, masks), as on the phone:
 `prefill.onnx` takes the prompt's last `max_prompt` tokens in fixed-size chunks, `tree.onnx`
 takes the committed backlog plus the tree in its fixed rows (padding rows inactive), and only
 the backlog's rotated K/V rows are written to the ring afterwards.
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hyco.errors import HycoError
-from hyco.host import Rope, SlmHost, tree_ancestors, tree_positions
-from hyco.io_spec import read_io_spec
-from hyco.ort import ort_session
+from hyco.base.errors import HycoError
+from hyco.npu.host import Rope, SlmHost, tree_ancestors, tree_positions
+from hyco.npu.io_spec import read_io_spec
+from hyco.qnn.ort import ort_session
 from hyco.runtime.tree import DraftTree
 
 

@@ -54,7 +54,7 @@ def network(name: str, rtt_ms: float | None = None, up_mbps: float | None = None
             down_mbps: float | None = None) -> Link:
     """A preset, with any of its three figures replaced by the user's."""
     if name not in NETWORKS:
-        from hyco.errors import HycoError
+        from hyco.base.errors import HycoError
 
         raise HycoError(f"network must be one of {sorted(NETWORKS)}, but got {name!r}")
     rtt, up, down = NETWORKS[name]

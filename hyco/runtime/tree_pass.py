@@ -12,7 +12,7 @@ layers drop old keys, which would make rolling back a rejected tree impossible a
 sliding mask to a different key length (the trap in platform.md). The sliding window is applied
 in our mask instead (a key is visible when q_pos - k_pos < window, transformers' rule). With
 rings (the phone's SLM Drafter, section 3.4) a full layer's window is `ring_full` and a sliding
-layer's the smaller of `ring_sliding` and the model's window, as in hyco/host.py, and keys
+layer's the smaller of `ring_sliding` and the model's window, as in hyco/npu/host.py, and keys
 no row can see again are dropped from the cache.
 
 After a pass the tree rows sit in the cache as pending; `commit(rows)` keeps the K/V of the given
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from hyco.handoff import input_device
+from hyco.npu.handoff import input_device
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -63,7 +63,7 @@ class CachedTreeModel:
     def _windows(self) -> dict[str, int | None]:
         """Keys a row may see, itself included, per layer type (None: no limit). On the phone a
         full layer's window is its ring, a sliding layer's the smaller of ring and model window
-        (hyco/host.py's rule, so the float SLM sees what the SLM graph sees)."""
+        (hyco/npu/host.py's rule, so the float SLM sees what the SLM graph sees)."""
         full, sliding = self.ring[FULL], self.ring[SLIDING]
         windows = {FULL: full}
         if SLIDING in self.layer_types:

@@ -12,7 +12,7 @@ the K/V rows of the prompt's last `window` positions (section 3.4), or of the wh
 
 Later rounds hand off the K/V rows of the committed tokens only (the root and the accepted path,
 at their own positions), and the head applies its sliding window by position. That is the
-intended behaviour, the phone's: it is what `hyco.handoff.handoff_states` computes over the
+intended behaviour, the phone's: it is what `hyco.npu.handoff.handoff_states` computes over the
 committed text, and what qat/ trains on. transformers' `SinglePositionMultiTokenCandidateGenerator`
 agrees with it only while the sequence is shorter than the verifier's sliding window: it slices
 the verifier's cache to the new length, so a rejected candidate's row stays at t + 1, and once
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyco.handoff import LAYER_TYPES, embed_tokens
+from hyco.npu.handoff import LAYER_TYPES, embed_tokens
 from hyco.runtime.acceptance import Verdict, keyed_samples, verify
 from hyco.runtime.sampling import sample_rows, sampling_probs
 from hyco.runtime.tree import DraftTree

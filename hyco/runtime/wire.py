@@ -2,7 +2,7 @@
 
 The paper (appendix, "hand-off") sends the MTP Drafter's inputs as 8-bit integers: e(x_{t+1})
 and h_t once per round, and the K/V rows of the last full and last sliding layer per committed
-token. Every row uses hyco/handoff.py's wire format (int8, symmetric, one float16 scale per row),
+token. Every row uses hyco/npu/handoff.py's wire format (int8, symmetric, one float16 scale per row),
 and the drafter receives the dequantized values, so drafting sees what the phone would see.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyco.handoff import dequantize_kv_rows, kv_wire_bytes, quantize_kv_rows
+from hyco.npu.handoff import dequantize_kv_rows, kv_wire_bytes, quantize_kv_rows
 from hyco.runtime.verifier import Handoff
 
 
