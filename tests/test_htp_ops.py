@@ -113,10 +113,13 @@ def test_perturbation_bound_is_the_same_on_every_run_and_grows_with_the_toleranc
     first = evaluate.perturbation_bound(graph, model, feeds, seed=0)
     assert first == evaluate.perturbation_bound(graph, model, feeds, seed=0)
     assert first["bound"] == evaluate.BOUND_FACTOR * first["perturbed_max"] > 0
+    # a bound is the largest of a few draws (2 passes x 2 here): one seed's bound ranged 0.26-0.53
+    # nats over seeds 0-5 (4x looser: 0.46-0.90), so the growth is held on the mean of four seeds
+    tight_grids = [evaluate.perturbation_bound(graph, model, feeds, seed=s)["bound"] for s in range(4)]
     monkeypatch.setattr(htp, "KEPT_BITS", {k: v - 2 for k, v in htp.KEPT_BITS.items()})  # 16-bit grids 4x looser
     monkeypatch.setattr(htp, "OTHER_KEPT_BITS", htp.OTHER_KEPT_BITS - 2)
-    loose = evaluate.perturbation_bound(graph, model, feeds, seed=0)
-    assert loose["bound"] > 1.5 * first["bound"], (loose, first)
+    loose = [evaluate.perturbation_bound(graph, model, feeds, seed=s)["bound"] for s in range(4)]
+    assert sum(loose) > 1.2 * sum(tight_grids), (loose, tight_grids)
     # the HTP's measured codes per tensor replace the tolerance where given: one code everywhere
     # moves the graph less than the tolerance's 64-512 on the 16-bit grids (the 8-bit ones' one
     # code is the same in both)

@@ -258,8 +258,8 @@ def test_a_nested_block_shares_its_own_folder_s_repacks_while_it_lasts(tmp_path,
     """calibrate's stage block shares convert's weights; the HTP bound's nested block over the
     deployed graph's folder adds that folder: its sessions repack once, and after the nested
     block a session there repacks again (into a folder of its own)."""
-    from hyco import int4_matmul
-    from hyco.ort import ort_session
+    from hyco.qnn.ort import ort_session
+    from hyco.quant import int4_matmul
 
     inner = tmp_path / "inner"
     inner.mkdir()
