@@ -89,13 +89,29 @@ def measure(cmd: list[str], log: Path) -> dict:
     the children it waited for), the child's peak RSS (MiB, its own children included: wait4
     reports the larger), exit status."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, launched = time.perf_counter(), time.time()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     return {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "rc": proc.returncode}
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "rc": proc.returncode,
+            "launched_epoch_s": round(launched, 3), "ended_epoch_s": round(time.time(), 3)}
+
+
+def phase_accounting(m: dict, phases: dict) -> dict | None:
+    """Where a stage's wall went, from the stage's own phase log: before its first phase (the
+    interpreter, imports, its inputs checked), its phases, after the last (reports, manifest,
+    folder renamed) and, the rest, between phases (code no phase names)."""
+    if not phases:
+        return None
+    first = min(p["start_epoch_s"] for p in phases.values())
+    last = max(p["start_epoch_s"] + p["wall_s"] for p in phases.values())
+    rows = {"start_up_s": round(first - m["launched_epoch_s"], 2), "phases_s": round(sum(p["wall_s"] for p in phases.values()), 2),
+            "wind_up_s": round(m["ended_epoch_s"] - last, 2)}
+    rows["between_phases_s"] = round(m["wall_s"] - sum(rows.values()), 2)
+    rows["named_share"] = round(1 - abs(rows["between_phases_s"]) / m["wall_s"], 4) if m["wall_s"] else None
+    return rows
 
 
 def stage_manifest_peak(folder: Path) -> float:
@@ -336,6 +352,12 @@ def summary_md(report: dict) -> str:
                                     "rss_mib_at_end": round(v["rss_mb"]) if "rss_mb" in v else "-"}
                                    for k, v in st["phases"].items()],
                                   ["phase", "wall_s", "cpu_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
+            a = st.get("phase_accounting")
+            if a:
+                md += [f"{st['stage']}'s {st['wall_s']} s: {a['start_up_s']} s before its first phase (interpreter, "
+                       f"imports, inputs checked), {a['phases_s']} s in the phases above, {a['wind_up_s']} s after "
+                       f"the last (reports, manifest, folder renamed), {a['between_phases_s']} s between phases: "
+                       f"{a['named_share']:.1%} of the wall accounted for by name.", ""]
     if report.get("fixtures"):
         f = report["fixtures"]
         md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")
@@ -440,8 +462,9 @@ def measured_stage(stage: str, out: Path, recipe: Path, run_dir: Path, sets: lis
     m["peak_rss_mb_wait4"] = m["peak_rss_mb"]
     m["peak_rss_mb"] = max(m["peak_rss_mb"], stage_manifest_peak(run_dir / stage))
     written, files = folder_bytes(run_dir / stage)
+    phases = stage_phases(run_dir / stage)
     return {"stage": stage, "status": "ok" if m["rc"] == 0 else "FAILED", **m, "bytes": written, "files": files,
-            "load_avg_after": load_average(), "phases": stage_phases(run_dir / stage)}
+            "load_avg_after": load_average(), "phases": phases, "phase_accounting": phase_accounting(m, phases)}
 
 
 def main() -> int:

@@ -64,6 +64,12 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
             assert peaks == sorted(peaks) and peaks[-1] <= manifest["peak_rss_mb"] + 1, peaks
             log = (tmp_path / "logs" / f"{s['stage']}.log").read_text()
             assert all(f"{s['stage']}: {name} " in log for name in phases), log[-2000:]
+        if s["phases"]:  # where the wall went: before the first phase, in them, after the last, between
+            a = s["phase_accounting"]
+            assert 0 < a["start_up_s"] < s["wall_s"] and 0 <= a["wind_up_s"] < s["wall_s"], a
+            assert a["phases_s"] == pytest.approx(sum(v["wall_s"] for v in s["phases"].values()), abs=0.01)
+            # the phases lie inside the process's life, in order; what no phase names is what is left
+            assert a["between_phases_s"] >= -0.2 and 0 < a["named_share"] <= 1, a
     # the VM's speed beside the figures: four positive timings before the first stage and after the last
     probes = [report["machine"]["speed_start"], report["machine"]["speed_end"]]
     assert all(set(p) == {"python_s", "sha256_s", "copy_s", "gather_s"} and min(p.values()) > 0 for p in probes), probes

@@ -58,9 +58,10 @@ class Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        start, cpu = time.perf_counter(), cpu_seconds()
+        start, cpu, began = time.perf_counter(), cpu_seconds(), time.time()
         yield
         row = {"wall_s": round(time.perf_counter() - start, 2), "cpu_s": round(cpu_seconds() - cpu, 2),
+               "start_epoch_s": round(began, 3),  # where the phase sits in the process's life (the bench's accounting)
                "peak_rss_mb": round(peak_rss_mb(), 1), "rss_mb": round(rss_mb(), 1)}
         self.rows[name] = row
         logging.getLogger("hyco.phases").info("%s: %s %s s (CPU %s s), peak RSS so far %.0f MiB, RSS at its "
