@@ -114,6 +114,22 @@ def phase_accounting(m: dict, phases: dict) -> dict | None:
     return rows
 
 
+def phase_rows(st: dict) -> list[dict]:
+    """The stage's phases in the order they ran, between the bench's own two (launch to the first
+    phase, the last to the process's exit) and, last, the time no phase names: the rows add up to
+    the stage's wall."""
+    rows = [{"phase": k, "wall_s": v["wall_s"], "cpu_s": v.get("cpu_s", "-"), "peak_rss_mib_so_far": round(v["peak_rss_mb"]),
+             "rss_mib_at_end": round(v["rss_mb"]) if "rss_mb" in v else "-"}
+            for k, v in sorted(st["phases"].items(), key=lambda kv: kv[1].get("start_epoch_s", 0))]
+    a = st.get("phase_accounting")
+    if not a:
+        return rows
+    blank = {"cpu_s": "-", "peak_rss_mib_so_far": "-", "rss_mib_at_end": "-"}
+    return ([{"phase": "(start-up: interpreter, imports, inputs checked)", "wall_s": a["start_up_s"], **blank}] + rows
+            + [{"phase": "(wind-up: reports, plots, manifest, folder renamed, exit)", "wall_s": a["wind_up_s"], **blank},
+               {"phase": "(between phases: no name)", "wall_s": a["between_phases_s"], **blank}])
+
+
 def stage_manifest_peak(folder: Path) -> float:
     """The stage's own peak RSS figure (manifest.json, workers included), or 0 if it wrote none."""
     manifest = folder / "manifest.json"
@@ -347,16 +363,11 @@ def summary_md(report: dict) -> str:
             md += [f"{st['stage']} by phase (cpu_s / wall_s: cores kept busy, of {report['machine']['cpus']}; peak "
                    "RSS: the process's so far, so the phase where it rises set it; RSS at end: what the phase left "
                    "for the next):", "",
-                   markdown_table([{"phase": k, "wall_s": v["wall_s"], "cpu_s": v.get("cpu_s", "-"),
-                                    "peak_rss_mib_so_far": round(v["peak_rss_mb"]),
-                                    "rss_mib_at_end": round(v["rss_mb"]) if "rss_mb" in v else "-"}
-                                   for k, v in st["phases"].items()],
-                                  ["phase", "wall_s", "cpu_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
+                   markdown_table(phase_rows(st), ["phase", "wall_s", "cpu_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
             a = st.get("phase_accounting")
             if a:
-                md += [f"{st['stage']}'s {st['wall_s']} s: {a['start_up_s']} s before its first phase (interpreter, "
-                       f"imports, inputs checked), {a['phases_s']} s in the phases above, {a['wind_up_s']} s after "
-                       f"the last (reports, manifest, folder renamed), {a['between_phases_s']} s between phases: "
+                md += [f"{st['stage']}'s {st['wall_s']} s: {a['start_up_s']} s before its first phase, {a['phases_s']} s "
+                       f"in its phases, {a['wind_up_s']} s after the last, {a['between_phases_s']} s between phases: "
                        f"{a['named_share']:.1%} of the wall accounted for by name.", ""]
     if report.get("fixtures"):
         f = report["fixtures"]

@@ -10,6 +10,7 @@ head_w4.safetensors, encodings.json, mtp_step.onnx (+ the float twin), embed_lut
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tempfile
 import time
@@ -135,7 +136,7 @@ def build_qat(*, verifier: Path, assistant: Path, tokenizer: Path, vocab: Path, 
     tok, keep, answer_rows, answer_report, h_cfg = read_inputs(tokenizer, vocab, answers, assistant, phase)
     train, evals, kv_shapes = capture_through_verifier(verifier, assistant, tok, keep, answer_rows, h_cfg,
                                                        placement, config, out, phase)
-    with phase("free verifier, load head"):
+    with phase("load head"):
         head = load_model(assistant, "assistant", torch.float32).to(device)  # fp32 master weights
     done = students_and_drafter(head, keep, train, evals, kv_shapes, h_cfg.get_text_config().sliding_window, config,
                                 device, out, phase)
@@ -201,11 +202,12 @@ def read_inputs(tokenizer: Path, vocab: Path, answers: Path, assistant: Path, ph
     tok_dir = Path(tokenizer)
     if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
         raise HycoError(f"tokenizer not found: {tok_dir / 'tokenizer.json'}")
-    tok = load_tokenizer(tok_dir)
-    keep = load_keep_set(vocab, tok)
-    answer_rows, answer_report = read_answer_folder(Path(answers), tok)
-    h_cfg = load_config(assistant, "assistant")
-    check_output_layer(h_cfg, str(assistant))  # before any weight is read
+    with phase("read tokenizer, keep set, answers"):
+        tok = load_tokenizer(tok_dir)
+        keep = load_keep_set(vocab, tok)
+        answer_rows, answer_report = read_answer_folder(Path(answers), tok)
+        h_cfg = load_config(assistant, "assistant")
+        check_output_layer(h_cfg, str(assistant))  # before any weight is read
     with phase("check head"):
         # the head is small, and it is freed before the verifier loads
         checked = load_model(assistant, "assistant", torch.float32)
@@ -237,8 +239,9 @@ def capture_through_verifier(verifier: Path, assistant: Path, tok, keep, answer_
     with phase("embedding LUT"):
         write_embed_lut(out / EMBED_LUT, ver, keep.keep_to_vocab)
     kv_shapes = {layer: (k.shape[0], k.shape[-1]) for layer, (k, _) in train[0].kv.items()}
-    del ver
-    release_free_heap()  # not calibrate's 1 MiB mmap threshold: training steps ran slower with it
+    with phase("free verifier"):
+        del ver
+        release_free_heap()  # not calibrate's 1 MiB mmap threshold: training steps ran slower with it
     return train, evals, kv_shapes
 
 
@@ -251,11 +254,13 @@ def students_and_drafter(head, keep, train, evals, kv_shapes: dict, sliding_wind
     (float) and the student's (INT4)."""
     from hyco.qat.mtp import TeacherForcedHead, output_table_on_disk
 
-    keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
-    teacher = TeacherForcedHead(head, keep_ids).eval()
-    calib = [train[i] for i in range(min(config.calibration_sequences, len(train)))]
     table_folder = Path(tempfile.mkdtemp(prefix="hyco-qat-table-"))
-    with output_table_on_disk(head, table_folder):
+    with contextlib.ExitStack() as tables:  # entered and left inside named phases
+        with phase("teacher, full tables to disk"):
+            keep_ids = torch.as_tensor(keep.keep_to_vocab, dtype=torch.long)
+            teacher = TeacherForcedHead(head, keep_ids).eval()
+            calib = [train[i] for i in range(min(config.calibration_sequences, len(train)))]
+            tables.enter_context(output_table_on_disk(head, table_folder))
         with phase("float step graph"):
             spec = write_float_step(out, head, teacher, keep, kv_shapes, config)
         students = train_students(head, teacher, keep_ids, train, evals, calib, sliding_window, config, device, out,
@@ -269,8 +274,10 @@ def students_and_drafter(head, keep, train, evals, kv_shapes: dict, sliding_wind
         with phase("graph parity: quantized"):
             rows = parity_positions(calib[0], spec, config)
             quantized = quantized_parity(out, head, sim, rows, config)
-        del sim
-        gc.collect()  # the student (QuantSim's reference cycles) goes before the tables come back
+        with phase("free student, full tables back"):
+            del sim
+            gc.collect()  # the student (QuantSim's reference cycles) goes before the tables come back
+            tables.close()
     table_folder.rmdir()
     with phase("graph parity: float"):
         parity = float_parity(out, head, keep_ids, rows, quantized)
@@ -284,17 +291,19 @@ def train_students(head, teacher, keep_ids, train, evals, calib: list, sliding_w
     clip ratios and the training history."""
     from hyco.qat.evaluate import agreement
     from hyco.qat.lean_qdq import weights_quantized_once
-    from hyco.qat.quantsim import (
-        aimet_config,
-        apply_clip_search,
-        attach_input_quantizers,
-        make_student,
-        recalibrate_activations,
-    )
     from hyco.qat.train import model_inputs, train_student
 
-    cfg_path = aimet_config(out / "aimet_config.json")
-    example = model_inputs(train[0], sliding_window, device, config.mask_negative)
+    with phase("students' set-up (AIMET imported)"):
+        from hyco.qat.quantsim import (
+            aimet_config,
+            apply_clip_search,
+            attach_input_quantizers,
+            make_student,
+            recalibrate_activations,
+        )
+
+        cfg_path = aimet_config(out / "aimet_config.json")
+        example = model_inputs(train[0], sliding_window, device, config.mask_negative)
     bits = config.weight_bits
 
     def measure(sim, captures):

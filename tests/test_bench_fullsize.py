@@ -68,8 +68,10 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
             a = s["phase_accounting"]
             assert 0 < a["start_up_s"] < s["wall_s"] and 0 <= a["wind_up_s"] < s["wall_s"], a
             assert a["phases_s"] == pytest.approx(sum(v["wall_s"] for v in s["phases"].values()), abs=0.01)
-            # the phases lie inside the process's life, in order; what no phase names is what is left
+            # the phases lie inside the process's life, in order; what no phase names is what is left,
+            # and every stage names all but 5% of its wall (issue 54: a table that says where time goes)
             assert a["between_phases_s"] >= -0.2 and 0 < a["named_share"] <= 1, a
+            assert abs(a["between_phases_s"]) <= 0.05 * s["wall_s"], (s["stage"], a, s["phases"])
     # the VM's speed beside the figures: four positive timings before the first stage and after the last
     probes = [report["machine"]["speed_start"], report["machine"]["speed_end"]]
     assert all(set(p) == {"python_s", "sha256_s", "copy_s", "gather_s"} and min(p.values()) > 0 for p in probes), probes
@@ -100,6 +102,12 @@ def test_bench_runs_every_stage_and_reports_its_figures(tiny_family, tmp_path):
     assert all(g["met"] in (True, False) for g in report["goals"])
 
     md = (tmp_path / "bench_summary.md").read_text()
+    for s in report["stages"]:
+        if s["phases"]:  # the phase table's rows, start-up to the unnamed rest, add up to the stage's wall
+            table = md.split(f"{s['stage']} by phase")[1].split("\n\n")[1].splitlines()[2:]
+            assert len(table) == len(s["phases"]) + 3, table
+            walls = [float(line.split(" | ")[1]) for line in table]
+            assert sum(walls) == pytest.approx(s["wall_s"], abs=0.1), (walls, s["wall_s"])
     for s in report["stages"]:
         row = next(line for line in md.splitlines() if line.startswith(f"| {s['stage']} | "))
         # markdown_table writes floats as .4g
