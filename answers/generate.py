@@ -16,6 +16,7 @@ from typing import Any
 
 from hyco.base.console import progress
 from hyco.base.errors import HycoError
+from hyco.config.recipe import AnswersConfig
 from hyco.data.answers import SOURCES, corpus_answer_ids, end_of_turn_id, eos_ids_of, prompt_ids
 
 
@@ -30,12 +31,12 @@ def translate_answer(answer: list[int], eos: set[int], verifier_tokenizer, token
     return encode(tokenizer, text)[0] + ([end_of_turn] if ended else [])
 
 
-def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, max_new_tokens: dict[str, int],
-                     max_prompt_tokens: int, temperature: float = 1.0, top_k: int = 64, top_p: float = 0.95,
-                     seed: int = 0, positions: Iterable[int] | None = None, verifier_tokenizer=None,
+def generate_answers(verifier, tokenizer, prompts: list[dict], config: AnswersConfig, *,
+                     positions: Iterable[int] | None = None, verifier_tokenizer=None,
                      slm_eos: Iterable[int] = ()) -> Iterator[dict]:
     """Yield one answer record per prompt (see the module doc); `prompts` are vocab/'s records
-    {"id", "index", "split", "turns"}. Greedy and sampled answers stop at the first EOS.
+    {"id", "index", "split", "turns"}; `config` the answers section (source, sampling, lengths
+    per split, prompt cut). Greedy and sampled answers stop at the first EOS.
     `positions`: only these prompts (a process's share of a launch; the seed stays keyed by the
     position in `prompts`). `verifier_tokenizer`: a verifier of another family (the token
     bridge): it answers its own chat template's prompt, and the record holds the prompt and the
@@ -43,6 +44,8 @@ def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, m
     a corpus answer)."""
     import torch  # here, not at the top: the CLI imports this module to build its --help
 
+    source, seed, max_prompt_tokens = config.source, config.seed, config.max_prompt_tokens
+    max_new_tokens = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
     if source not in SOURCES:
         raise HycoError(f"answers.source must be one of {list(SOURCES)}, but got {source!r}")
     eos = eos_ids_of(verifier)
@@ -62,7 +65,8 @@ def generate_answers(verifier, tokenizer, prompts: list[dict], *, source: str, m
             kwargs: dict[str, Any] = {"do_sample": False}
             if source == "sampled":
                 torch.manual_seed(seed + i)  # per prompt: the same answer whatever else is generated
-                kwargs = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+                kwargs = {"do_sample": True, "temperature": config.temperature, "top_k": config.top_k,
+                          "top_p": config.top_p}
             asked = ids if verifier_tokenizer is None else prompt_ids(verifier_tokenizer, rec["turns"], max_prompt_tokens)
             out = verifier.generate(torch.tensor([asked], device=device), max_new_tokens=limit,
                                     pad_token_id=(verifier_tokenizer or tokenizer).pad_token_id, **kwargs)

@@ -65,9 +65,7 @@ def make_answers(*, verifier: Path, tokenizer: Path, vocab: Path, config: Answer
                   "slm_eos": sorted(model_end_of_turn_ids(slm, tok))}
     lengths = {"train": config.max_new_tokens_train, "eval": config.max_new_tokens_eval}
     mine = my_positions(len(prompts))
-    records = generate_answers(model, tok, prompts, source=config.source, max_new_tokens=lengths,
-                               max_prompt_tokens=config.max_prompt_tokens, temperature=config.temperature,
-                               top_k=config.top_k, top_p=config.top_p, seed=config.seed, positions=mine, **bridge)
+    records = generate_answers(model, tok, prompts, config, positions=mine, **bridge)
     records = in_order(list(zip(mine, records, strict=True)), len(prompts), "answers")
     if out is None:
         return {}

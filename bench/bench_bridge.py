@@ -113,7 +113,7 @@ def main() -> None:
             drafter = TreeDrafter(cfg, None, SlmTorch(slm, keep_ids=None, ring_full=1024, ring_sliding=512,
                                                       max_prompt=1024))
             verifier = ReferenceVerifier(ver_model, sampling, keyed_seed=check.seed + i, hand_off=False, window=None)
-            log = decode_bridged(chat(ver_tok, text), chat(slm_tok, text), verifier, drafter, bridge,
+            log = decode_bridged((chat(ver_tok, text), chat(slm_tok, text)), verifier, drafter, bridge,
                                  epsilon=cfg.epsilon, max_new_tokens=args.new_tokens, eos_ids=eos, generator=None)
             if cfg.epsilon >= 1.0 and log.tokens != references[i]:
                 lossless = False

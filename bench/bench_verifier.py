@@ -93,7 +93,7 @@ def run_phase(phase: str, verifier: Path, work: Path, prompts: int, new_tokens: 
     from hyco.answers.generate import generate_answers
 
     from hyco.base.loading import load_tokenizer, load_verifier
-    from hyco.config.recipe import PlacementConfig
+    from hyco.config.recipe import AnswersConfig, PlacementConfig
     from hyco.npu.captures import capture_answers
 
     start = time.perf_counter()
@@ -102,8 +102,8 @@ def run_phase(phase: str, verifier: Path, work: Path, prompts: int, new_tokens: 
     if phase == "answers":
         tok = load_tokenizer(verifier)
         start = time.perf_counter()
-        records = list(generate_answers(model, tok, prompt_records()[:prompts], source="greedy",
-                                        max_new_tokens={"train": new_tokens}, max_prompt_tokens=64))
+        config = AnswersConfig(source="greedy", max_new_tokens_train=new_tokens, max_prompt_tokens=64)
+        records = list(generate_answers(model, tok, prompt_records()[:prompts], config))
         seconds = time.perf_counter() - start
         tokens = sum(len(r["answer_ids"]) for r in records)
         (work / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -301,6 +301,7 @@ def to_codes(feeds: dict, spec) -> dict:
 
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase) -> dict[str, Any]:
     import onnx
+    from hyco.calibrate.drive import slm_driver
     from hyco.calibrate.stage import PARITY_NAMES, extra_output_session, record_slm
 
     evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
@@ -321,8 +322,8 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
     picks, ref_taps, q_taps = {}, {}, {}
     with phase("fidelity: float SLM passes"):
         ref = sessions(convert, slm_graphs, "float")
-        f_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[ref], mask_negative=negative,
-                            spill=tmp / "evaluated" / "float", script=script, graphs=graphs)
+        f_slm = record_slm(slm_driver(convert, inputs["keep_ids"], ref, negative, spill=tmp / "evaluated" / "float",
+                                      graphs=graphs), evals, config, script=script)
         for g in slm_graphs:
             rec = f_slm.sessions[g]
             picks[g] = np.linspace(0, len(rec.active) - 1, min(config.sqnr_passes, len(rec.active))).astype(int).tolist()
@@ -332,8 +333,8 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
         ref = None
     with phase("fidelity: QDQ SLM passes"):
         qdq = sessions(out, PARITY_NAMES, "qdq")
-        q_slm, = record_slm(convert, inputs["keep_ids"], evals, config, sessions=[qdq], mask_negative=negative,
-                            spill=tmp / "evaluated" / "qdq", replay=script, graphs=graphs)
+        q_slm = record_slm(slm_driver(convert, inputs["keep_ids"], qdq, negative, spill=tmp / "evaluated" / "qdq",
+                                      graphs=graphs), evals, config, replay=script)
         for g in slm_graphs:  # the float driver's feeds: each pass's own quantization error, no KV drift
             rec = f_slm.sessions[g]
             q_taps[g] = layer_taps(qdq[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])

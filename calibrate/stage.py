@@ -135,29 +135,23 @@ def check_inputs(convert: Path, qat: Path | None, vocab: Path, answers: Path) ->
 # --- SLM graphs ---------------------------------------------------------------------------------
 
 
-def record_slm(convert: Path, keep_ids, answers: list[dict], config: CalibrateConfig, sessions=None,
-               mask_negative: float | None = None, drivers: int = 1, output_prefixes: tuple[str, ...] | None = None,
-               spill: Path | None = None, script: list | None = None, replay: list | None = None,
-               graphs: tuple[str, ...] = tuple(SLM_GRAPHS)):
-    """Drive convert's graphs (or `sessions`) over `answers`; returns the drivers (with Recorders
-    keeping the outputs named `output_prefixes*`, default all; driver i's passes on disk under
-    `spill`/i when given). `script` gets one list of rounds per answer, `replay` walks such
-    lists (`drive.lockstep`). `graphs`: the SLM graphs the phone runs (tree alone: it prefills)."""
-    from hyco.calibrate.drive import lockstep, slm_driver
+def record_slm(slm, answers: list[dict], config: CalibrateConfig, script: list | None = None,
+               replay: list | None = None):
+    """Drive `slm` (`drive.slm_driver`: convert's graphs or given sessions, wrapped in Recorders)
+    over `answers`, and return it. `script` gets one list of rounds per answer, `replay` walks
+    such lists (`drive.lockstep`)."""
+    from hyco.calibrate.drive import lockstep
 
     from hyco.base.console import progress
 
     rng = np.random.default_rng(config.seed)
-    slms = [slm_driver(convert, keep_ids, s, mask_negative, output_prefixes, None if spill is None else Path(spill) / str(i),
-                       graphs)
-            for i, s in enumerate(sessions or [None] * drivers)]
     for i, a in enumerate(progress(answers, desc="calibrate: driving SLM graphs", unit="answer", disable=None)):
         if script is not None:
             script.append([])
-        lockstep(slms, a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,
+        lockstep([slm], a["prompt_ids"], a["answer_ids"][:config.max_new_tokens], chain_depth=config.chain_depth,
                  topk=config.slm_topk, rng=rng, script=script[-1] if script is not None else None,
                  replay=replay[i] if replay is not None else None)
-    return slms
+    return slm
 
 
 def subsample(items: list, n: int, seed: int) -> list:
@@ -391,8 +385,12 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     graphs = inputs["slm_graphs"]  # tree alone (export.slm_graphs tree-only): calibrated on its prefill passes too
     # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
     with phase("record float passes"):
-        slm = record_slm(convert, inputs["keep_ids"], train, config, output_prefixes=("new_k_", "new_v_"),
-                         spill=tmp / "recorded", graphs=tuple(graphs))[0]
+        from hyco.calibrate.drive import slm_driver
+
+        driver = slm_driver(convert, inputs["keep_ids"], output_prefixes=("new_k_", "new_v_"), spill=tmp / "recorded",
+                            graphs=tuple(graphs))
+        slm = record_slm(driver, train, config)
+        del driver
         recorded = {g: (slm.sessions[g].passes.folder, len(slm.sessions[g].passes)) for g in graphs}
         del slm  # its two float sessions hold both graphs' weights (one graph in memory at a time)
         gc.collect()  # the driver's hook on its own _run is a reference cycle: GBs until a collection
@@ -413,11 +411,11 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     mask = choose_mask(both, floor=config.mask_floor, headroom=config.mask_headroom)
     result["mask"] = mask
     done = {}
+    job = SlmQuantization(convert, tmp, out, config, mask["mask_negative"], grids, weight_bits, two_bit)
     for g in graphs:  # one at a time: each takes GBs at E2B size
         with phase(f"{g}: quantize, deployable graph, bit-exact proof, encodings"):
-            done[g] = quantize_and_deploy(convert, g, tmp, out, *recorded[g], measured[g]["ranges"],
-                                          mask["mask_negative"], config, inputs["convert_specs"][SLM_GRAPHS[g]],
-                                          weight_bits, grids, two_bit)
+            done[g] = quantize_and_deploy(g, job, recorded[g], measured[g]["ranges"],
+                                          inputs["convert_specs"][SLM_GRAPHS[g]])
     result["graphs"] = {g: {**d["graph"], "phases": {**measured[g]["phases"], **d["phases"]}}
                         for g, d in done.items()}
     result["deployed"] = {g: d["deployed"] for g, d in done.items()}
@@ -471,20 +469,36 @@ def prepare_and_measure(convert: Path, g: str, tmp: Path, recorded: Path, passes
     return {"mask_stats": stats, "ranges": ranges, "phases": phases}
 
 
-def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: Path, passes: int, ranges: dict,
-                        negative: float, config: CalibrateConfig, base_spec, weight_bits: dict[str, int],
-                        grids: dict[str, tuple[float, int]], two_bit: TwoBitDecision) -> dict:
-    """The prepared graph `g` quantized into its parity twin (out/PARITY_NAMES)
-    with the KV, mask and HTP-range overrides, then its deployable graph (`deployable`)."""
+@dataclass(frozen=True)
+class SlmQuantization:
+    """What every SLM graph is quantized and deployed with: convert's folder, the stage's scratch
+    (`tmp`: prepared graphs, recorded passes) and output folders, the section, the mask value,
+    the input grids, the checkpoint's weight bit widths and how 2-bit weights ship."""
+
+    convert: Path
+    tmp: Path
+    out: Path
+    config: CalibrateConfig
+    negative: float
+    grids: dict[str, tuple[float, int]]
+    weight_bits: dict[str, int]
+    two_bit: TwoBitDecision
+
+
+def quantize_and_deploy(g: str, job: SlmQuantization, recorded: tuple[Path, int], ranges: dict, base_spec) -> dict:
+    """The prepared graph `g` quantized into its parity twin (out/PARITY_NAMES) on its `recorded`
+    passes (folder, count), with the KV, mask and HTP-range overrides, then its deployable graph
+    (`deployable`)."""
+    convert, tmp, out, config, negative = job.convert, job.tmp, job.out, job.config, job.negative
     from hyco.calibrate.drive import SpilledPasses, with_mask_value
     from hyco.calibrate.prepare import load_graph
     from hyco.calibrate.quantize import htp_range_overrides, quantize_graph
 
     src = tmp / f"{g}.prepared.onnx"
     prepared = load_graph(src)
-    picked = subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)
+    picked = subsample(SpilledPasses(*recorded), config.max_passes, config.seed)
     feeds = [with_mask_value(f, negative) for f, _ in picked]
-    known = PolicyInputs(prepared, feeds, [o for _, o in picked], config, negative, grids)
+    known = PolicyInputs(prepared, feeds, [o for _, o in picked], config, negative, job.grids)
     overrides, kv_ranges = apply_policy(SLM_POLICY, known)
     del picked, prepared, known
     widened = htp_range_overrides(ranges, overrides)
@@ -494,7 +508,7 @@ def quantize_and_deploy(convert: Path, g: str, tmp: Path, out: Path, recorded: P
                    percentile=config.activation_percentile, activation_bits=config.activation_bits)
     quantize_s = round(time.perf_counter() - start, 2)
     start = time.perf_counter()
-    deployed = deployable(g, parity, convert / SLM_GRAPHS[g], out, base_spec, negative, weight_bits, two_bit)
+    deployed = deployable(g, parity, convert / SLM_GRAPHS[g], out, base_spec, negative, job.weight_bits, job.two_bit)
     return {"graph": {"quantize_s": quantize_s, "calibration_passes": len(feeds), "kv_ranges": kv_ranges,
                       "htp_ranges_widened": widened},
             "phases": {"quantize_s": quantize_s, "deployable_s": round(time.perf_counter() - start, 2)},

@@ -16,6 +16,7 @@ from torch import nn
 
 from hyco.base.console import progress
 from hyco.base.errors import HycoError
+from hyco.config.recipe import ConvertConfig
 from hyco.npu.ops import MLP, Attention, DecoderLayer, LayerShape, RMSNorm
 
 
@@ -125,14 +126,15 @@ def effective_windows(config, ring_full: int, ring_sliding: int) -> dict[str, in
     return {"sliding_attention": min(config.sliding_window, ring_sliding), "full_attention": ring_full}
 
 
-def build_static_model(text_model, lm_head, *, text_prefix: str, keep_ids,
-                       ring_full: int, ring_sliding: int, topk: int, mask_negative: float,
-                       topk_slice: int = 65_536, release: bool = True, float_bits: int | None = None) -> StaticGemma:
-    """transformers' Gemma4TextModel + lm_head -> StaticGemma, one layer at a time.
+def build_static_model(text_model, lm_head, settings: ConvertConfig, *, text_prefix: str, keep_ids,
+                       release: bool = True) -> StaticGemma:
+    """transformers' Gemma4TextModel + lm_head -> StaticGemma, one layer at a time, with the convert
+    section's rings, mask value, top-k (and its slice) and float linears' bit width.
 
     With `release`, each transformers layer is replaced by an empty module as soon as it is
     converted, so the integer copy and the packed copy of a layer never both stay alive."""
-    config = text_model.config
+    config, float_bits = text_model.config, settings.float_linear_bits
+    ring_full, ring_sliding, mask_negative = settings.ring_full, settings.ring_sliding, settings.mask_negative
     if release:  # the embedding tables live on the CPU as LUTs (luts.py), never in the graph
         text_model.embed_tokens = nn.Module()
         if config.hidden_size_per_layer_input:
@@ -149,6 +151,6 @@ def build_static_model(text_model, lm_head, *, text_prefix: str, keep_ids,
             decompose_rmsnorm(text_model.per_layer_projection_norm),
             config.num_hidden_layers, config.hidden_size_per_layer_input, config.hidden_size)
     output = SoftcapHead(decompose_rmsnorm(text_model.norm), restrict_to_keep_set(lm_head, "lm_head", keep_ids),
-                         config.final_logit_softcapping, topk, topk_slice)
+                         config.final_logit_softcapping, settings.topk, settings.topk_slice)
     rings = RingShape(ring_full, ring_sliding, effective_windows(config, ring_full, ring_sliding), mask_negative)
     return StaticGemma(config.hidden_size, layers, per_layer, output, rings, config.hidden_size_per_layer_input or 0)

@@ -406,10 +406,7 @@ def write_graphs(ckpt, tc, keep_ids, kv_scales, config: ConvertConfig, keep_set:
         windows = effective_windows(tc, config.ring_full, config.ring_sliding)
         rope = rope_json(text, tc, windows)
         write_json(out / "rope.json", rope)
-        static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids,
-                                    ring_full=config.ring_full, ring_sliding=config.ring_sliding, topk=config.topk,
-                                    mask_negative=config.mask_negative, topk_slice=config.topk_slice,
-                                    float_bits=config.float_linear_bits)
+        static = build_static_model(text, lm_head, config, text_prefix=ckpt.layout.text_prefix, keep_ids=keep_ids)
         del model, text, lm_head  # the static module now holds the only copy of the weights (packed)
         release_free_heap()
     start_export = time.perf_counter()

@@ -69,6 +69,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> int:
+    from hyco.export.stage import ExportInputs
     from hyco.export.stage import export as build
 
     from hyco.base.errors import HycoError
@@ -92,12 +93,9 @@ def _cmd_export(args: argparse.Namespace, paths: dict, export: ExportConfig) -> 
     if missing:
         raise HycoError(f"export needs {', '.join(missing)} (the bundle ships their LUTs, rope spec, encodings and "
                         "keep set); only `export --hub` runs on --calibrate alone")
-    stages = {k: paths.get(k) for k in ("calibrate", "convert", "qat", "vocab")}  # no --qat: no MTP Drafter
+    inputs = ExportInputs.of(paths)  # no --qat: no MTP Drafter
     manifest = run_stage("export", out, {"export": to_dict(export)}, paths,
-                         lambda tmp: build(**stages, out=tmp, config=export, tokenizer=paths.get("tokenizer"),
-                                           verifier=paths.get("verifier"),
-                                           verifier_tokenizer=paths.get("verifier_tokenizer"),
-                                           allow_parity_failure=allow, final=out),
+                         lambda tmp: build(inputs, tmp, export, allow_parity_failure=allow, final=out),
                          force=args.force, allow_parity_failure=allow)
     s = manifest["summary"]
     sizes = ", ".join(f"{k} {v:,} B" for k, v in s["binaries"].items())

@@ -153,18 +153,15 @@ def run_bridged_rounds(prompt: list[int], slm_prompt: list[int], verifier, draft
 
     from hyco.runtime.decode import decode_bridged
 
-    calls = []
-
-    def mark():  # round 0's mark is taken before the prefill
-        if log is not None and calls:
+    def mark(done: int) -> bool:  # round 0's mark is taken before the prefill
+        if log is not None and 0 < done < rounds:
             marks.append(len(log.rows))
-        calls.append(1)
+        return done < rounds
 
     if log is not None:
         marks.append(len(log.rows))
-    decoded = decode_bridged(prompt, slm_prompt, verifier, drafter, bridge, epsilon=1.0, max_new_tokens=1 << 30,
-                             eos_ids=eos_ids, generator=torch.Generator().manual_seed(0), max_rounds=rounds,
-                             on_round=mark)
+    decoded = decode_bridged((prompt, slm_prompt), verifier, drafter, bridge, epsilon=1.0, max_new_tokens=1 << 30,
+                             eos_ids=eos_ids, generator=torch.Generator().manual_seed(0), on_round=mark)
     committed, at = [], 1  # the first token is the prefill's
     for r in decoded.rounds:
         committed.append(decoded.tokens[at:at + r.committed])

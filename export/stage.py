@@ -1,8 +1,8 @@
 """The export stage: calibrate's QDQ graphs -> QNN context binaries for the recipe's SoC, in a
 self-describing bundle (OUT/bundle/), then a smoke run on that bundle.
 
-`export(calibrate=..., convert=..., qat=..., vocab=..., tokenizer=..., out=..., config=...)` is
-the whole stage as a keyword-only function; the pipeline (`inputs`/`build`) and the CLI
+`export(ExportInputs(calibrate=..., convert=..., vocab=..., ...), out, config)` is the whole
+stage as a function; the pipeline (`inputs`/`build`) and the CLI
 (`export/cli.py`) wrap it. Nothing runs on the HTP while compiling (prepare only); the smoke
 test at the end loads the binaries on the HTP backend (the x86 simulator here).
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +63,32 @@ def bundle_graphs(qat: Path | None, slm_graphs: str) -> dict[str, str]:
             if (role != "mtp_step" or qat is not None) and (role != "prefill" or ships_prefill(slm_graphs))}
 
 
-def gather_inputs(bundle: Path, *, calibrate: Path, convert: Path, qat: Path | None, vocab: Path,
-                  tokenizer: Path | None, config: ExportConfig) -> dict[str, GraphSpec]:
+@dataclass(frozen=True)
+class ExportInputs:
+    """The folders export reads: calibrate's QDQ graphs and encodings, convert's LUTs and rope
+    spec, vocab's keep set, qat's MTP Drafter files (None: the SLM's graphs only, no MTP Drafter on
+    the phone), the tokenizer the bundle ships, and the smoke run's reference verifier (with its
+    own tokenizer when it is of another family: the token bridge)."""
+
+    calibrate: Path
+    convert: Path
+    vocab: Path
+    qat: Path | None = None
+    tokenizer: Path | None = None
+    verifier: Path | None = None
+    verifier_tokenizer: Path | None = None
+
+    @classmethod
+    def of(cls, paths: Mapping[str, Path | None]) -> ExportInputs:
+        """From a stage's or the CLI's named paths (other names, and None, left out)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: Path(v) for k, v in paths.items() if k in names and v is not None})
+
+
+def gather_inputs(bundle: Path, inputs: ExportInputs, config: ExportConfig) -> dict[str, GraphSpec]:
     """Copy the non-graph pieces into the bundle; return the specs of calibrate's graphs it ships
-    (`qat` None: the SLM's graphs only)."""
+    (`inputs.qat` None: the SLM's graphs only)."""
+    calibrate, convert, qat, vocab, tokenizer = inputs.calibrate, inputs.convert, inputs.qat, inputs.vocab, inputs.tokenizer
     specs = read_io_spec(calibrate / "io_spec.json")
     roles = bundle_graphs(qat, config.slm_graphs)
     for role, name in roles.items():
@@ -239,40 +263,36 @@ def verifier_identity(verifier: Path) -> dict[str, str]:
     return {"name": verifier.resolve().name, "config_sha256": sha256_file(config)}
 
 
-def export(*, calibrate: Path, convert: Path, qat: Path | None, vocab: Path, out: Path, config: ExportConfig,
-           tokenizer: Path | None = None, verifier: Path | None = None, verifier_tokenizer: Path | None = None,
-           allow_parity_failure: bool = False, final: Path | None = None) -> dict[str, Any]:
+def export(inputs: ExportInputs, out: Path, config: ExportConfig, *, allow_parity_failure: bool = False,
+           final: Path | None = None) -> dict[str, Any]:
     """Write OUT/bundle/ (binaries + everything the runtime reads + bundle.json), report.json and
     summary.md; then, with `config.smoke_prompts` and a `verifier`, smoke-test the bundle on the
     HTP backend. A disagreeing smoke run is the stage's failed proof: ProofFailed after the reports
     are written (into run_stage's temp folder, so nothing moves into place), unless
     `allow_parity_failure`: then the summary carries `proof_failed` and the manifest is marked.
     `final`: where `out` will be once the stage is done (it is built in a temp folder), the
-    folder the reports name. Returns a short summary for the manifest. `qat` None: the SLM's
-    graphs only (no MTP Drafter on the phone); `verifier_tokenizer`: a verifier of another family,
-    which the smoke run drafts for through the token bridge."""
+    folder the reports name. Returns a short summary for the manifest."""
     from hyco.qnn.bundle import footprint_markdown
 
     start = time.perf_counter()
     # glibc's 1 MiB mmap threshold: each compile's GBs go back to the system before the next
     return_large_blocks()
     chip, arch, settled = settled_soc(config)
-    two_bit = shipped_two_bit(Path(calibrate), config)
+    two_bit = shipped_two_bit(inputs.calibrate, config)
     out = Path(out)
     bundle = out / "bundle"
     bundle.mkdir(parents=True, exist_ok=True)
     phase = Phases("export")
-    meta = write_bundle(bundle, config, chip, arch, settled, phase, two_bit, calibrate=Path(calibrate), convert=Path(convert),
-                        qat=Path(qat) if qat else None, vocab=Path(vocab), tokenizer=Path(tokenizer) if tokenizer else None,
-                        verifier=Path(verifier) if verifier else None)
+    meta = write_bundle(bundle, config, chip, arch, settled, phase, two_bit, inputs)
     graphs = meta["graphs"]
     smoke = None
+    verifier, verifier_tokenizer = inputs.verifier, inputs.verifier_tokenizer
     if config.smoke_prompts and verifier is not None and config.slm_graphs != "shared":
         from hyco.export.smoke import smoke as run_smoke
 
         with phase("smoke"):
-            smoke = run_smoke(bundle=bundle, verifier=Path(verifier), prompts=config.smoke_prompts,
-                              verifier_tokenizer=Path(verifier_tokenizer) if verifier_tokenizer else None,
+            smoke = run_smoke(bundle=bundle, verifier=verifier, prompts=config.smoke_prompts,
+                              verifier_tokenizer=verifier_tokenizer,
                               rounds=config.smoke_rounds, tolerance=config.logprob_tolerance, isolate=config.isolate,
                               out=out / "smoke", named_as=Path(final or out) / "bundle", soc_model=config.soc_model)
     failed = None
@@ -405,8 +425,7 @@ def settled_soc(config: ExportConfig) -> tuple[str, int, dict[str, Any]]:
 
 
 def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settled: dict[str, Any], phase: Phases,
-                 two_bit: dict[str, Any], *, calibrate: Path, convert: Path, qat: Path | None, vocab: Path,
-                 tokenizer: Path | None, verifier: Path | None) -> dict[str, Any]:
+                 two_bit: dict[str, Any], inputs: ExportInputs) -> dict[str, Any]:
     """The bundle's inputs gathered, its graphs compiled, and bundle.json (binaries, footprint,
     SoC, reference verifier) written. Returns bundle.json's content."""
     from hyco.qnn.bundle import (
@@ -419,20 +438,19 @@ def write_bundle(bundle: Path, config: ExportConfig, chip: str, arch: int, settl
     )
 
     with phase("gather inputs"):
-        specs = gather_inputs(bundle, calibrate=calibrate, convert=convert, qat=qat, vocab=vocab, tokenizer=tokenizer,
-                              config=config)
-    graphs = compile_graphs(bundle, calibrate, specs, config, phase)
+        specs = gather_inputs(bundle, inputs, config)
+    graphs = compile_graphs(bundle, inputs.calibrate, specs, config, phase)
     meta = {"version": BUNDLE_VERSION, "soc_model": config.soc_model, "chip": chip, "htp_arch": arch, "soc_settled": settled,
             "htp_optimization_level": config.htp_optimization_level,
             "qnn_sdk": graphs["tree"]["parts"][0]["qnn_build"],
             "onnxruntime_qnn": toolchain_versions().get("onnxruntime-qnn"),
-            "reference_verifier": verifier_identity(verifier) if verifier else None,
+            "reference_verifier": verifier_identity(inputs.verifier) if inputs.verifier else None,
             "note": "binaries compiled offline with onnxruntime-qnn (EPContext, embed mode 0); graph I/O and SoC "
                     "read back from each .bin through libQnnSystem. reference/ holds the QDQ graphs for the smoke "
                     "test's CPU run and is not needed on the phone.",
             # the rows a separate prefill graph would take (convert builds it either way): check's
             # timing states what one copy of the weights costs in prefill against it
-            "slm_graphs": config.slm_graphs, "separate_prefill_rows": read_io_spec(convert / "io_spec.json")
+            "slm_graphs": config.slm_graphs, "separate_prefill_rows": read_io_spec(inputs.convert / "io_spec.json")
             ["prefill.onnx"].meta["rows"] if config.slm_graphs == "tree-only" else None,
             "two_bit_weights": two_bit, "graphs": graphs,
             "files": file_table(bundle)}
@@ -467,8 +485,5 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
 
 
 def build(recipe: Recipe, run_dir: Path, out: Path) -> dict[str, Any]:
-    paths = inputs(recipe, run_dir)
-    return export(calibrate=paths["calibrate"], convert=paths["convert"], qat=paths.get("qat"), vocab=paths["vocab"],
-                  tokenizer=paths.get("tokenizer"), verifier=paths.get("verifier"),
-                  verifier_tokenizer=paths.get("verifier_tokenizer"), out=out, config=recipe.export,
+    return export(ExportInputs.of(inputs(recipe, run_dir)), out, recipe.export,
                   allow_parity_failure=recipe.allow_parity_failure, final=stage_dir(run_dir, "export"))

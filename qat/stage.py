@@ -263,8 +263,7 @@ def students_and_drafter(head, keep, train, evals, kv_shapes: dict, sliding_wind
             tables.enter_context(output_table_on_disk(head, table_folder))
         with phase("float step graph"):
             spec = write_float_step(out, head, teacher, keep, kv_shapes, config)
-        students = train_students(head, teacher, keep_ids, train, evals, calib, sliding_window, config, device, out,
-                                  phase)
+        students = train_students(head, teacher, keep_ids, train, evals, calib, config, device, out, phase)
         sim = students.pop("sim")
         with phase("drafter graphs"):
             drafter = write_drafter(out, head, sim, keep, spec, students["ranges"], config)
@@ -284,8 +283,8 @@ def students_and_drafter(head, keep, train, evals, kv_shapes: dict, sliding_wind
     return {**students, "drafter": drafter, "parity": parity}
 
 
-def train_students(head, teacher, keep_ids, train, evals, calib: list, sliding_window: int, config: QatConfig, device,
-                   out: Path, phase: Phases) -> dict[str, Any]:
+def train_students(head, teacher, keep_ids, train, evals, calib: list, config: QatConfig, device, out: Path,
+                   phase: Phases) -> dict[str, Any]:
     """W8 PTQ, W{bits} PTQ (clip search only) and W{bits} QAT, each measured on the eval and train
     captures. Returns the QAT student (`sim`), the agreement figures, the fixed input ranges,
     clip ratios and the training history."""
@@ -293,6 +292,7 @@ def train_students(head, teacher, keep_ids, train, evals, calib: list, sliding_w
     from hyco.qat.lean_qdq import weights_quantized_once
     from hyco.qat.train import model_inputs, train_student
 
+    sliding_window = head.config.get_text_config().sliding_window  # the head's own: its captures' windows
     with phase("students' set-up (AIMET imported)"):
         from hyco.qat.quantsim import (
             aimet_config,
@@ -529,7 +529,7 @@ def step_graph_proof(out: Path, head, sim, feeds_list: list[dict], topk: int) ->
         got = dict(zip(names, sess.run(None, feeds), strict=True))
         rounded = [torch.from_numpy(got[taps[name]] if name in taps else feeds[name]) for name in inputs]
         with torch.no_grad():
-            r_lp, r_ids, r_hidden = (t.numpy() for t in step(*rounded))
+            r_lp, r_ids, r_hidden = (t.numpy() for t in step(*step.grouped(rounded)))
         ids_equal += int(np.array_equal(got["topk_ids"], r_ids))
         lp_diff = max(lp_diff, float(np.abs(got["topk_logprobs"] - r_lp).max()))
         hidden_diff = max(hidden_diff, float(np.abs(got["next_hidden"] - r_hidden).max()

@@ -117,8 +117,19 @@ class MtpStep(nn.Module):
             self.register_buffer("cluster_of", cluster_of.detach().long().cpu().clone())
         self.vocab = weights["lm_head"].shape[0]
 
-    def forward(self, token_embed, hidden, k_full, v_full, k_sliding, v_sliding, mask_full, mask_sliding,
-                cos_full, sin_full, cos_sliding, sin_sliding):
+    @staticmethod
+    def grouped(inputs):
+        """The graph's inputs in io_spec order -> forward's arguments: (token_embed, hidden, the four
+        K/V rings, the two masks, the four rotary rows). Tracing flattens them back in that order,
+        so the graph's inputs stay io_spec's."""
+        return inputs[0], inputs[1], tuple(inputs[2:6]), tuple(inputs[6:8]), tuple(inputs[8:12])
+
+    def forward(self, token_embed, hidden, rings, masks, rotary):
+        """`rings`: (k_full, v_full, k_sliding, v_sliding); `masks`: (mask_full, mask_sliding);
+        `rotary`: (cos_full, sin_full, cos_sliding, sin_sliding) (`grouped`)."""
+        k_full, v_full, k_sliding, v_sliding = rings
+        mask_full, mask_sliding = masks
+        cos_full, sin_full, cos_sliding, sin_sliding = rotary
         kv = {"full_attention": (k_full, v_full), "sliding_attention": (k_sliding, v_sliding)}
         rows = {"full_attention": (cos_full, sin_full, mask_full), "sliding_attention": (cos_sliding, sin_sliding, mask_sliding)}
         x = self.pre_projection(torch.cat([token_embed, hidden], dim=-1))  # [1, H]
@@ -185,7 +196,7 @@ def rope_tables(head: nn.Module) -> dict[str, dict]:
 def export_float(step: MtpStep, spec: GraphSpec, path: Path) -> Path:
     import onnx
 
-    example = tuple(torch.from_numpy(t.zeros()) for t in spec.inputs)
+    example = step.grouped([torch.from_numpy(t.zeros()) for t in spec.inputs])
     torch.onnx.export(step, example, str(path), input_names=[t.name for t in spec.inputs],
                       output_names=[t.name for t in spec.outputs], opset_version=OPSET, dynamo=False,
                       do_constant_folding=False)  # folding would turn the weights' graph back into floats

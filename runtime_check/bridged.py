@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from hyco.runtime_check.check import (
     RUN_SEED_STEP,
-    PhoneShapes,
+    CheckInputs,
+    Models,
     build_drafter,
     chat_items,
     choose_chat_prompts,
@@ -31,6 +32,7 @@ from hyco.runtime_check.check import (
     lossless_verdict,
     measure_costs,
     paired_mats,
+    prompt_count,
     reference_texts,
     where,
     workload_prompts,
@@ -89,40 +91,41 @@ def _check_tokenizer(tok, tokenizer: Path, model: Path, vocab: int, what: str) -
 
 
 def decode_bridged_all(verifier_prompts: list[list[int]], slm_prompts: list[list[int]], cfg: DecodeConfig,
-                       check: CheckConfig, phone: PhoneShapes, *, verifier, slm, keep_ids, bridge: TokenBridge,
-                       eos_ids: set[int], seeds: list[int], convert_dir: Path | None,
-                       bundle_dir: Path | None) -> list[DecodeLog]:
+                       check: CheckConfig, inputs: CheckInputs, models: Models, bridge: TokenBridge,
+                       seeds: list[int]) -> list[DecodeLog]:
     """One configuration over the prompts, each from fresh caches (`verifier-alone`, or SLM-only
     trees through the bridge); the verifier samples keyed by position (`seeds`). Under
     `accelerate launch` each process decodes its share."""
     from hyco.base.launch import in_order, my_positions
 
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
+    eos_ids = models.eos_ids
     logs = []
     for i in progress(my_positions(len(verifier_prompts)), desc=cfg.name, leave=False):
-        reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point, window=None,
+        reference = ReferenceVerifier(models.verifier, sampling, capture_point=inputs.phone.capture_point, window=None,
                                       keyed_seed=seeds[i], hand_off=False)
         if cfg.verifier_alone:
             logs.append((i, verifier_alone(reference, verifier_prompts[i], check.max_new_tokens, eos_ids,
                                            probe_epsilon=check.epsilon)))
             continue
-        drafter = build_drafter(cfg, check, phone, verifier=verifier, head=None, slm=slm, keep_ids=keep_ids,
-                                convert_dir=convert_dir, bundle_dir=bundle_dir)
-        logs.append((i, decode_bridged(verifier_prompts[i], slm_prompts[i], reference, drafter, bridge,
+        drafter = build_drafter(cfg, check, inputs.phone, verifier=models.verifier, head=None, slm=models.slm,
+                                keep_ids=models.keep_ids, convert_dir=inputs.convert_dir, bundle_dir=inputs.bundle_dir)
+        logs.append((i, decode_bridged((verifier_prompts[i], slm_prompts[i]), reference, drafter, bridge,
                                        epsilon=cfg.epsilon, max_new_tokens=check.max_new_tokens, eos_ids=eos_ids,
                                        generator=torch.Generator().manual_seed(check.seed + i),
                                        probe_epsilon=check.epsilon)))
     return in_order(logs, len(verifier_prompts), f"check ({cfg.name})")
 
 
-def prompt_runs(config: CheckConfig, count: int, verifier_model, verifier_tok, slm_tok, sampling: Sampling,
-                eos: set[int], *, vocab_dir: Path | None, dataset, workload: Path | None) -> list[tuple]:
+def prompt_runs(config: CheckConfig, count: int, inputs: CheckInputs, verifier_model, verifier_tok, slm_tok,
+                sampling: Sampling, eos: set[int]) -> list[tuple]:
     """Per sampling run (check.runs, each its own seed): (run config, references, seeds, verifier
     prompts, SLM prompts, items, prompt selection). Chat prompts are chosen once, on the first
     run's reference texts (`choose_chat_prompts`); a file workload's questions are all asked, a
     second turn after the verifier's own first answer, written with each side's chat template."""
+    workload = inputs.workload
     if config.workload.schema == "chat":
-        texts = load_prompt_texts(vocab_dir=vocab_dir, dataset=dataset, count=count, all_available=True)
+        texts = load_prompt_texts(vocab_dir=inputs.vocab_dir, dataset=inputs.dataset, count=count, all_available=True)
         turns = [[{"role": "user", "content": text}] for text in texts]
         verifier_candidates = [chat_ids(verifier_tok, t) for t in turns]
         slm_candidates = [chat_ids(slm_tok, t) for t in turns]
@@ -154,19 +157,19 @@ def prompt_runs(config: CheckConfig, count: int, verifier_model, verifier_tok, s
     return runs
 
 
-def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Path | None, slm: Path,
-                      tokenizer: Path, vocab_dir: Path | None, dataset, config: CheckConfig, phone: PhoneShapes,
-                      out: Path | None, decode_configs: list[DecodeConfig], prompts: int | None = None,
-                      convert_dir: Path | None = None, bundle_dir: Path | None = None, workload: Path | None = None,
-                      placement=None) -> dict[str, Any]:
-    """`run_check` for a verifier of another family (see the module doc). `tokenizer` is the SLM's,
-    `verifier_tokenizer` the verifier's; `assistant`, the verifier's own head, only for cloud-mtp."""
+def run_bridged_check(inputs: CheckInputs, config: CheckConfig, out: Path | None, decode_configs: list[DecodeConfig],
+                      prompts: int | None) -> dict[str, Any]:
+    """`run_check` for a verifier of another family (see the module doc). `inputs.tokenizer` is the
+    SLM's, `inputs.verifier_tokenizer` the verifier's; `inputs.assistant`, the verifier's own head,
+    only for cloud-mtp."""
     from hyco.runtime_check.check import _keep_ids
 
     from hyco.base.launch import start_followers
     from hyco.base.loading import load_tokenizer
 
     start_followers()
+    verifier, verifier_tokenizer, assistant, slm = inputs.verifier, inputs.verifier_tokenizer, inputs.assistant, inputs.slm
+    tokenizer, phone, workload, placement = inputs.tokenizer, inputs.phone, inputs.workload, inputs.placement
     slm_tok, verifier_tok = load_tokenizer(tokenizer), load_tokenizer(verifier_tokenizer)
     verifier_model = load_model(verifier, "verifier", placement)
     vocab_size = verifier_model.config.get_text_config().vocab_size
@@ -183,29 +186,25 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
             raise HycoError(f"{assistant}: vocabulary of {head.config.get_text_config().vocab_size} tokens, but the "
                             f"verifier {verifier} has {vocab_size} (Cloud+head runs the verifier's own head)")
     slm_model = load_model(slm, "SLM") if config.backend == "torch" and any(c.slm_passes for c in decode_configs) else None
-    keep_ids = _keep_ids(vocab_dir, tokenizer, slm_vocab)  # the SLM's keep set, in its vocabulary
+    keep_ids = _keep_ids(inputs.vocab_dir, tokenizer, slm_vocab)  # the SLM's keep set, in its vocabulary
     eos = set(eos_ids_of(verifier_model))
     if not eos:
         raise HycoError(f"{verifier}/generation_config.json: no eos_token_id (the verifier's end of turn)")
     bridge = TokenBridge(slm_tok, verifier_tok, slm_eos=model_end_of_turn_ids(slm, slm_tok), verifier_eos=eos_ids_of(verifier_model)[0])
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
-    count = config.prompts if prompts is None else prompts
-    if count < 1:  # 0 is a count, not "unset": a check of no prompt measures nothing
-        raise HycoError(f"the prompt count must be >= 1, but got {count}")
-    runs = prompt_runs(config, count, verifier_model, verifier_tok, slm_tok, sampling, eos, vocab_dir=vocab_dir,
-                       dataset=dataset, workload=workload)
+    runs = prompt_runs(config, prompt_count(config, prompts), inputs, verifier_model, verifier_tok, slm_tok, sampling, eos)
     _, _, _, verifier_prompts, slm_prompts, items, selection = runs[0]
     pooled_items = [it for run in runs for it in run[5]]  # a question's runs cluster with it
     results, lossless, all_logs = {}, {}, {}
+    models = Models(verifier_model, head, slm_model, keep_ids, eos)
+    # Cloud+head: the verifier and its own head, no SLM, no keep set (the SLM's), no phone graphs
+    server = (replace(inputs, convert_dir=None, qat_dir=None, bundle_dir=None), replace(models, slm=None, keep_ids=None))
     for cfg in progress(decode_configs, desc="configurations"):
-        if cfg.mtp_depth:  # Cloud+head: the verifier and its own head, no SLM, no bridge
-            per_run = [decode_all(v_prompts, cfg, run_config, phone, verifier=verifier_model, head=head, slm=None,
-                                  keep_ids=None, eos_ids=eos, max_new_tokens=config.max_new_tokens, seeds=seeds)
+        if cfg.mtp_depth:
+            per_run = [decode_all(v_prompts, cfg, run_config, *server, seeds=seeds)
                        for run_config, _, seeds, v_prompts, _, _, _ in runs]
         else:
-            per_run = [decode_bridged_all(v_prompts, s_prompts, cfg, run_config, phone, verifier=verifier_model,
-                                          slm=slm_model, keep_ids=keep_ids, bridge=bridge, eos_ids=eos, seeds=seeds,
-                                          convert_dir=convert_dir, bundle_dir=bundle_dir)
+            per_run = [decode_bridged_all(v_prompts, s_prompts, cfg, run_config, inputs, models, bridge, seeds)
                        for run_config, _, seeds, v_prompts, s_prompts, _, _ in runs]
         # keep set None: the SLM's keep set is in its vocabulary, the verifier's bonus tokens in another
         results[cfg.name], all_logs[cfg.name] = config_results(cfg, per_run, pooled_items, None, config)
@@ -216,7 +215,7 @@ def run_bridged_check(*, verifier: Path, verifier_tokenizer: Path, assistant: Pa
     if config.timing.enabled and out is not None:
         costs = measure_costs(all_logs, decode_configs, config, phone, verifier_model=verifier_model, head=head,
                               model_dirs=[Path(p) for p in (verifier, assistant) if p is not None], vocab=vocab_size,
-                              bundle_dir=bundle_dir)
+                              bundle_dir=inputs.bundle_dir)
     slm_runner = "torch float"
     if config.backend == "onnxruntime":
         slm_runner = "onnxruntime (convert/ graphs)"

@@ -8,7 +8,7 @@ caches, and prompt i uses the same seed under every configuration.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,49 @@ class PhoneShapes:
             raise HycoError(f"convert.ring_sliding must be in [1, convert.ring_full], and convert.max_prompt and "
                             f"qat.window >= 1, but got {self.ring_sliding}, {self.ring_full}, {self.max_prompt}, "
                             f"{self.mtp_window}")
+
+
+@dataclass(frozen=True)
+class CheckInputs:
+    """What the check reads, named once (`runtime_check/stage.py` builds it from the recipe and the
+    run folder) and passed down whole: the three models' folders, the tokenizer (the SLM's, and the
+    verifier's unless `verifier_tokenizer` names a verifier of another family, drafted for through
+    the token bridge), the phone's shapes, the chat dataset, the earlier stages' folders (None
+    where the recipe runs no such stage), a file workload, and where the verifier and the server's
+    head sit (`placement`; None: float32 on the CPU).
+
+    With backend onnxruntime the drafters run on the shipped graphs: the SLM on `convert_dir`'s
+    tree.onnx / prefill.onnx, the phone's MTP chain on `qat_dir`'s mtp_step.onnx, the deployed
+    numerics on `bundle_dir`'s QDQ graphs; with backend qnn `convert_dir` and `qat_dir` are both
+    the export bundle."""
+
+    verifier: Path
+    slm: Path
+    tokenizer: Path
+    phone: PhoneShapes
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    assistant: Path | None = None
+    verifier_tokenizer: Path | None = None
+    vocab_dir: Path | None = None
+    convert_dir: Path | None = None
+    qat_dir: Path | None = None
+    bundle_dir: Path | None = None
+    workload: Path | None = None
+    placement: PlacementConfig | None = None
+
+
+@dataclass(frozen=True)
+class Models:
+    """What one process decodes with, loaded once (`load_models`): the verifier, its head on the
+    server (None unless a configuration runs it in torch), the SLM in torch (None unless the
+    backend is torch), the keep set's vocabulary ids (None: the whole vocabulary) and the
+    verifier's end-of-turn ids."""
+
+    verifier: Any
+    head: Any
+    slm: Any
+    keep_ids: torch.Tensor | None
+    eos_ids: set[int]
 
 
 RUN_SEED_STEP = 1000  # check.runs: run r samples with seed check.seed + 1000 r
@@ -171,27 +214,27 @@ def keyed_seed(check: CheckConfig, prompt_index: int) -> int:
     return check.seed * 100_003 + prompt_index
 
 
-def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, phone: PhoneShapes, *, verifier,
-               head, slm, keep_ids, eos_ids: set[int], max_new_tokens: int, convert_dir: Path | None = None,
-               qat_dir: Path | None = None, bundle_dir: Path | None = None,
+def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, inputs: CheckInputs, models: Models,
                seeds: list[int] | None = None) -> list[DecodeLog]:
-    """`seeds`: per prompt, the verifier samples each token keyed by its position (the committed
+    """Each prompt from fresh caches, `check.max_new_tokens` at most. `seeds`: per prompt, the verifier samples each token keyed by its position (the committed
     text is then the verifier's own keyed text whatever the drafts: `keyed_generate`). Under
     `accelerate launch` each process decodes its share of the prompts (`hyco.base.launch`)."""
     from hyco.base.launch import in_order, my_positions
 
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
+    phone, eos_ids, max_new_tokens = inputs.phone, models.eos_ids, check.max_new_tokens
     logs = []
     mine = my_positions(len(prompts))
     for i in progress(mine, desc=cfg.name, leave=False):
-        drafter = build_drafter(cfg, check, phone, verifier=verifier, head=head, slm=slm, keep_ids=keep_ids,
-                                convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
+        drafter = build_drafter(cfg, check, phone, verifier=models.verifier, head=models.head, slm=models.slm,
+                                keep_ids=models.keep_ids, convert_dir=inputs.convert_dir, qat_dir=inputs.qat_dir,
+                                bundle_dir=inputs.bundle_dir)
         if cfg.alone:
             logs.append((i, decode_alone(prompts[i], drafter.slm, topk=cfg.slm_topk, sampling=sampling,
                                          seed=seeds[i] if seeds else keyed_seed(check, i), max_new_tokens=max_new_tokens,
                                          eos_ids=eos_ids)))
             continue
-        reference = ReferenceVerifier(verifier, sampling, capture_point=phone.capture_point,
+        reference = ReferenceVerifier(models.verifier, sampling, capture_point=phone.capture_point,
                                       window=handoff_window(cfg, phone), keyed_seed=seeds[i] if seeds else None)
         generator = torch.Generator().manual_seed(check.seed + i)
         logs.append((i, decode(prompts[i], reference, drafter, epsilon=cfg.epsilon, max_new_tokens=max_new_tokens,
@@ -265,30 +308,17 @@ def compare_with_generate(logs: list[DecodeLog], reference: list[tuple[list[int]
             "equal": first is None, "first_divergence": first}
 
 
-def run_check(*, verifier: Path, assistant: Path | None, slm: Path, tokenizer: Path, vocab_dir: Path | None,
-              dataset: DatasetConfig, config: CheckConfig, out: Path | None, ring_full: int, ring_sliding: int,
-              max_prompt: int, mtp_window: int, capture_point: str, configs: list[str] | None = None,
-              prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
-              bundle_dir: Path | None = None, workload: Path | None = None,
-              placement: PlacementConfig | None = None, verifier_tokenizer: Path | None = None) -> dict[str, Any]:
-    """`workload`: the file of a spec-bench or infinitebench-sum workload (`config.workload`).
-    `placement`: the verifier's and the server head's dtype and devices (recipe.placement, as
-    answers and qat place the verifier: BF16 on a GPU, device_map, offload); None: float32 on the CPU.
-    `ring_full`, `ring_sliding`, `max_prompt` are recipe.convert's, `mtp_window` and
-    `capture_point` recipe.qat's (`window`, `capture_point`): see `PhoneShapes`. `out` None: a
-    follower process of `accelerate launch` (its share of the prompts; writes nothing).
-
-    With `config.backend` onnxruntime both drafters run on the shipped graphs: the SLM on
-    `convert_dir`'s tree.onnx / prefill.onnx, the phone's MTP chain on `qat_dir`'s mtp_step.onnx
-    (Cloud+MTP's server-side head stays float torch).
-
-    `verifier_tokenizer`: a verifier of another family, whose tokenizer this is; the SLM then
-    drafts for it through the token bridge (`runtime_check/bridged.py`) and `tokenizer` is the
-    SLM's."""
+def run_check(inputs: CheckInputs, config: CheckConfig, out: Path | None, *, configs: list[str] | None = None,
+              prompts: int | None = None) -> dict[str, Any]:
+    """The recipe's configurations (or `configs`) over `prompts` prompts (default `config.prompts`),
+    reported into `out`; `out` None: a follower process of `accelerate launch` (its share of the
+    prompts; writes nothing). A verifier of another family (`inputs.verifier_tokenizer`) is
+    drafted for through the token bridge (`runtime_check/bridged.py`)."""
     check_backend(config.backend)
-    phone = PhoneShapes(ring_full, ring_sliding, max_prompt, mtp_window, capture_point)
     names = list(configs or config.configs)
-    decode_configs = [decode_config(n, config, bridged=verifier_tokenizer is not None) for n in names]
+    bridged = inputs.verifier_tokenizer is not None
+    decode_configs = [decode_config(n, config, bridged=bridged) for n in names]
+    convert_dir, qat_dir, bundle_dir = inputs.convert_dir, inputs.qat_dir, inputs.bundle_dir
     if config.backend == "qnn" and (convert_dir is None or not (Path(convert_dir) / "bundle.json").is_file()):
         raise HycoError(f"check.backend 'qnn' runs both drafters on the QNN HTP from the export stage's bundle, but "
                         f"{convert_dir}/bundle.json does not exist (add export to the recipe's stages)")
@@ -310,47 +340,54 @@ def run_check(*, verifier: Path, assistant: Path | None, slm: Path, tokenizer: P
         # Tiny models on a shared CPU: the thread pool's spin-waits cost more than the matmuls.
         torch.set_num_threads(config.threads)
     try:
-        if verifier_tokenizer is not None:
+        if bridged:
             from hyco.runtime_check.bridged import run_bridged_check
 
-            return run_bridged_check(verifier=verifier, verifier_tokenizer=verifier_tokenizer, assistant=assistant,
-                                     slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir, dataset=dataset, config=config,
-                                     phone=phone, out=out, decode_configs=decode_configs, prompts=prompts,
-                                     convert_dir=convert_dir, bundle_dir=bundle_dir, workload=workload,
-                                     placement=placement)
-        return _run_check(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
-                          dataset=dataset, config=config, phone=phone, out=out, decode_configs=decode_configs,
-                          prompts=prompts, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir,
-                          workload=workload, placement=placement)
+            return run_bridged_check(inputs, config, out, decode_configs, prompts)
+        return _run_check(inputs, config, out, decode_configs, prompts)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, config, phone, out, decode_configs,
-               prompts: int | None = None, convert_dir: Path | None = None, qat_dir: Path | None = None,
-               bundle_dir: Path | None = None, workload: Path | None = None, placement=None):
+def prompt_count(config: CheckConfig, prompts: int | None) -> int:
+    count = config.prompts if prompts is None else prompts
+    if count < 1:  # 0 is a count, not "unset": a check of no prompt measures nothing
+        raise HycoError(f"the prompt count must be >= 1, but got {count}")
+    return count
+
+
+def load_models(inputs: CheckInputs, *, head: bool, slm: bool) -> Models:
+    """The verifier, and the server's head and the torch SLM where asked, each refused unless its
+    vocabulary is the verifier's (the drafters share its tokenizer); the keep set read against it."""
+    verifier = load_model(inputs.verifier, "verifier", inputs.placement)
+    head_model = load_model(inputs.assistant, "assistant", inputs.placement) if head else None
+    slm_model = load_model(inputs.slm, "SLM") if slm else None
+    vocab_size = verifier.config.get_text_config().vocab_size
+    for model, path in ((slm_model, inputs.slm), (head_model, inputs.assistant)):
+        if model is not None and model.config.get_text_config().vocab_size != vocab_size:
+            raise HycoError(f"{path}: vocabulary of {model.config.get_text_config().vocab_size} tokens, but the "
+                            f"verifier {inputs.verifier} has {vocab_size} (the drafters must share its tokenizer)")
+    return Models(verifier, head_model, slm_model, _keep_ids(inputs.vocab_dir, inputs.tokenizer, vocab_size),
+                  set(eos_ids_of(verifier)))
+
+
+def _run_check(inputs: CheckInputs, config: CheckConfig, out: Path | None, decode_configs: list[DecodeConfig],
+               prompts: int | None) -> dict[str, Any]:
     from hyco.base.launch import start_followers
     from hyco.base.loading import load_tokenizer
     from hyco.data.answers import text_stats
 
     start_followers()
     names = [c.name for c in decode_configs]
-    tok = load_tokenizer(tokenizer)
-    verifier_model = load_model(verifier, "verifier", placement)
+    verifier, assistant, slm, phone = inputs.verifier, inputs.assistant, inputs.slm, inputs.phone
+    vocab_dir, dataset, workload, bundle_dir = inputs.vocab_dir, inputs.dataset, inputs.workload, inputs.bundle_dir
+    tok = load_tokenizer(inputs.tokenizer)
     torch_head = config.backend == "torch" or any(c.mtp_on_server for c in decode_configs)
-    head = load_model(assistant, "assistant", placement) if torch_head and any(c.mtp_depth for c in decode_configs) else None
-    needs_slm = any(c.slm_passes for c in decode_configs) and config.backend == "torch"
-    slm_model = load_model(slm, "SLM") if needs_slm else None
+    models = load_models(inputs, head=torch_head and any(c.mtp_depth for c in decode_configs),
+                         slm=any(c.slm_passes for c in decode_configs) and config.backend == "torch")
+    verifier_model, head, keep_ids, eos = models.verifier, models.head, models.keep_ids, models.eos_ids
     vocab_size = verifier_model.config.get_text_config().vocab_size
-    for model, path in ((slm_model, slm), (head, assistant)):
-        if model is not None and model.config.get_text_config().vocab_size != vocab_size:
-            raise HycoError(f"{path}: vocabulary of {model.config.get_text_config().vocab_size} tokens, but the "
-                            f"verifier {verifier} has {vocab_size} (the drafters must share its tokenizer)")
-    keep_ids = _keep_ids(vocab_dir, tokenizer, vocab_size)
-    count = config.prompts if prompts is None else prompts
-    if count < 1:  # 0 is a count, not "unset": a check of no prompt measures nothing
-        raise HycoError(f"the prompt count must be >= 1, but got {count}")
-    eos = set(eos_ids_of(verifier_model))
+    count = prompt_count(config, prompts)
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
     subset = None  # a file workload's questions, picked evenly over its categories
     if config.workload.schema == "chat":
@@ -387,16 +424,12 @@ def _run_check(*, verifier, assistant, slm, tokenizer, vocab_dir, dataset, confi
     keep = None if keep_ids is None else keep_ids.numpy()
     results, lossless, all_logs = {}, {}, {}
     share = second_process_share(decode_configs, config, [verifier, assistant, slm])
-    request = dict(verifier=verifier, assistant=assistant, slm=slm, tokenizer=tokenizer, vocab_dir=vocab_dir,
-                   placement=placement, torch_head=head is not None, needs_slm=slm_model is not None,
-                   max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir,
-                   phone=phone, runs=[(run_config, ids, seeds) for run_config, ids, _, _, seeds in runs])
-    beside = in_background(decode_share, {**request, "configs": share}, "check's second process") if share else None
+    request = {"inputs": inputs, "head": head is not None, "slm": models.slm is not None, "configs": share,
+               "runs": [(run_config, ids, seeds) for run_config, ids, _, _, seeds in runs]}
+    beside = in_background(decode_share, request, "check's second process") if share else None
     decoded = {}
-    run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids, eos_ids=eos,
-               max_new_tokens=config.max_new_tokens, convert_dir=convert_dir, qat_dir=qat_dir, bundle_dir=bundle_dir)
     for cfg in progress([c for c in decode_configs if c not in share], desc="configurations"):
-        decoded[cfg.name] = [decode_all(ids, cfg, run_config, phone, seeds=seeds, **run)
+        decoded[cfg.name] = [decode_all(ids, cfg, run_config, inputs, models, seeds=seeds)
                              for run_config, ids, _, _, seeds in runs]
     if beside is not None:
         decoded.update(beside.result())
@@ -620,16 +653,10 @@ def decode_share(request: dict[str, Any]) -> dict[str, list[list[DecodeLog]]]:
     from hyco.base.loading import load_tokenizer
 
     torch.set_num_threads(1)
-    verifier_model = load_model(request["verifier"], "verifier", request["placement"])
-    head = load_model(request["assistant"], "assistant", request["placement"]) if request["torch_head"] else None
-    slm_model = load_model(request["slm"], "SLM") if request["needs_slm"] else None
-    vocab_size = verifier_model.config.get_text_config().vocab_size
-    load_tokenizer(request["tokenizer"])  # refused here as in the first process, should it be unreadable
-    keep_ids = _keep_ids(request["vocab_dir"], request["tokenizer"], vocab_size)
-    run = dict(verifier=verifier_model, head=head, slm=slm_model, keep_ids=keep_ids,
-               eos_ids=set(eos_ids_of(verifier_model)), max_new_tokens=request["max_new_tokens"],
-               convert_dir=request["convert_dir"], qat_dir=request["qat_dir"], bundle_dir=request["bundle_dir"])
-    return {cfg.name: [decode_all(ids, cfg, run_config, request["phone"], seeds=seeds, **run)
+    inputs = request["inputs"]
+    load_tokenizer(inputs.tokenizer)  # refused here as in the first process, should it be unreadable
+    models = load_models(inputs, head=request["head"], slm=request["slm"])
+    return {cfg.name: [decode_all(ids, cfg, run_config, inputs, models, seeds=seeds)
                        for run_config, ids, seeds in request["runs"]] for cfg in request["configs"]}
 
 

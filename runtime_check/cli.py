@@ -71,15 +71,15 @@ def _cmd_project(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from hyco.runtime_check.costs import console_lines, project
+    from hyco.runtime_check.costs import WhatIf, console_lines, project
 
     check_dir = Path(args.check_dir)
     out = Path(args.out) if args.out else check_dir.parent / "projection"
-    result = project(check_dir, out, network_name=args.network, rtt_ms=args.rtt_ms, up_mbps=args.up_mbps,
-                     down_mbps=args.down_mbps, phone_profile=args.phone_profile,
+    what_if = WhatIf(network_name=args.network, rtt_ms=args.rtt_ms, up_mbps=args.up_mbps, down_mbps=args.down_mbps,
+                     phone_profile=args.phone_profile,
                      phone_ms={"tree": args.slm_ms, "mtp_step": args.mtp_ms, "prefill": args.prefill_ms},
-                     host_ms=args.host_ms, server_profile=args.server_profile,
-                     write_server_profile=args.write_server_profile)
+                     host_ms=args.host_ms, server_profile=args.server_profile)
+    result = project(check_dir, out, what_if, write_server_profile=args.write_server_profile)
     lines = [*console_lines(result), f"wrote {out}/projection.json, projection.md, figure1.png"]
     if args.write_server_profile:
         lines.append(f"wrote the check's server sweep as a server profile: {args.write_server_profile}")

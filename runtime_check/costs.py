@@ -14,7 +14,7 @@ beside the projected ones. The arithmetic is hyco/runtime/timing.py's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -495,10 +495,24 @@ def projection_markdown(result: dict[str, Any]) -> list[str]:
             "", "# After: the projected tables", "", *markdown({**result, "sources": sources})]
 
 
-def project(check_dir: Path, out: Path, *, network_name: str | None = None, rtt_ms: float | None = None,
-            up_mbps: float | None = None, down_mbps: float | None = None, phone_profile: str | None = None,
-            phone_ms: dict[str, float | None] | None = None, host_ms: float | None = None,
-            server_profile: str | None = None, write_server_profile: Path | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WhatIf:
+    """What `project` replaces in the check's inputs (None: the check's own): the network (a named
+    preset, then any of its round trip and bandwidths), the phone (a profile, then pass times in
+    ms per graph and the host's work per round), the server (a profile)."""
+
+    network_name: str | None = None
+    rtt_ms: float | None = None
+    up_mbps: float | None = None
+    down_mbps: float | None = None
+    phone_profile: str | None = None
+    phone_ms: dict[str, float | None] = field(default_factory=dict)
+    host_ms: float | None = None
+    server_profile: str | None = None
+
+
+def project(check_dir: Path, out: Path, what_if: WhatIf = WhatIf(), *,
+            write_server_profile: Path | None = None) -> dict[str, Any]:
     """`hyco-convert project`: check's Table 2 / Table 11 / Figure 1 again from CHECK_DIR's
     costs_inputs.json, with the phone's figures, the network or the server replaced; nothing runs
     a model. The result holds the projection (rows, sources as `tables` gives them), the check's
@@ -508,13 +522,14 @@ def project(check_dir: Path, out: Path, *, network_name: str | None = None, rtt_
     from hyco.base.files import write_json
     from hyco.pipeline.artifacts import atomic_dir
 
-    phone_ms = phone_ms or {}
-    require_sensible(rtt_ms=rtt_ms, up_mbps=up_mbps, down_mbps=down_mbps, host_ms=host_ms, **phone_ms)
+    w = what_if
+    require_sensible(rtt_ms=w.rtt_ms, up_mbps=w.up_mbps, down_mbps=w.down_mbps, host_ms=w.host_ms, **w.phone_ms)
     inputs = read_inputs(check_dir)
     baseline = tables(inputs, setting_of(inputs))
     setting = setting_of(inputs)
-    what_if = [*_override_network(setting, network_name, rtt_ms, up_mbps, down_mbps),
-               *_override_server(setting, server_profile), *_override_phone(setting, phone_profile, phone_ms, host_ms)]
+    what_if = [*_override_network(setting, w.network_name, w.rtt_ms, w.up_mbps, w.down_mbps),
+               *_override_server(setting, w.server_profile),
+               *_override_phone(setting, w.phone_profile, w.phone_ms, w.host_ms)]
     projected = tables(inputs, setting)
     result = {"check": str(check_dir), "what_if": what_if, **projected, "baseline": baseline,
               "change": compare(baseline["rows"], projected["rows"])}

@@ -17,7 +17,7 @@ from hyco.pipeline.stages import stage_dir
 
 
 def phone_shapes(recipe: Recipe) -> dict[str, Any]:
-    """`run_check`'s keyword arguments that belong to the convert and qat sections."""
+    """The phone's shapes (`PhoneShapes`' fields), from the convert and qat sections."""
     return {"ring_full": recipe.convert.ring_full, "ring_sliding": recipe.convert.ring_sliding,
             "max_prompt": recipe.convert.max_prompt, "mtp_window": recipe.qat.window,
             "capture_point": recipe.qat.capture_point}
@@ -69,19 +69,26 @@ def inputs(recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def check_inputs(recipe: Recipe, run_dir: Path):
+    """`run_check`'s inputs (`CheckInputs`) from the recipe and the run folder."""
+    from hyco.runtime_check.check import CheckInputs, PhoneShapes
+
+    paths = inputs(recipe, run_dir)
+    return CheckInputs(verifier=paths["verifier"], slm=paths["slm"], tokenizer=paths["tokenizer"],
+                       phone=PhoneShapes(**phone_shapes(recipe)), dataset=recipe.dataset,
+                       assistant=paths.get("assistant"), verifier_tokenizer=paths.get("verifier_tokenizer"),
+                       vocab_dir=paths.get("vocab"), convert_dir=paths.get("convert"), qat_dir=paths.get("qat"),
+                       bundle_dir=paths.get("bundle"), workload=paths.get("workload"), placement=recipe.placement)
+
+
 def build(recipe: Recipe, run_dir: Path, out: Path | None, *, configs: list[str] | None = None,
           prompts: int | None = None) -> dict[str, Any]:
     from hyco.runtime_check.check import run_check
 
-    paths = inputs(recipe, run_dir)
-    if recipe.check.backend == "qnn" and (paths["convert"] / "bundle.json").is_file():
+    check = check_inputs(recipe, run_dir)
+    if recipe.check.backend == "qnn" and (check.convert_dir / "bundle.json").is_file():
         # a bundle built for another SoC than the recipe's is refused (run_check says when there is none)
         from hyco.qnn.bundle import verify_bundle
 
-        verify_bundle(paths["convert"], recipe.export.soc_model)
-    return run_check(verifier=paths["verifier"], assistant=paths.get("assistant"), slm=paths["slm"],
-                     verifier_tokenizer=paths.get("verifier_tokenizer"),
-                     tokenizer=paths["tokenizer"], vocab_dir=paths.get("vocab"), dataset=recipe.dataset,
-                     config=recipe.check, out=out, configs=configs, prompts=prompts, convert_dir=paths.get("convert"),
-                     qat_dir=paths.get("qat"), bundle_dir=paths.get("bundle"), workload=paths.get("workload"),
-                     placement=recipe.placement, **phone_shapes(recipe))
+        verify_bundle(check.convert_dir, recipe.export.soc_model)
+    return run_check(check, recipe.check, out, configs=configs, prompts=prompts)

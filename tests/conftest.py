@@ -237,7 +237,7 @@ def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
     family, CI-sized: (run folder, bundle folder). The smoke and simulator-agreement tests use it:
     its drafters are peaked like trained ones, where the undistilled family's near-flat rows make
     near-ties of most top-k entries."""
-    from hyco.export.stage import export
+    from hyco.export.stage import ExportInputs, export
 
     from hyco.config.recipe import ExportConfig
 
@@ -245,7 +245,8 @@ def tiny_export_distilled(tiny_family_distilled, tmp_path_factory):
                               ["calibrate.eval_prompts=2", "calibrate.htp_check=true", "calibrate.simulator_passes=1",
                                "export.slm_graphs=separate"])
     out = run_dir / "export"
-    export(calibrate=run_dir / "calibrate", convert=run_dir / "convert", qat=run_dir / "qat", vocab=run_dir / "vocab",
-           out=out, tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],
-           config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))  # the prefill graph's faults stay testable
+    inputs = ExportInputs(calibrate=run_dir / "calibrate", convert=run_dir / "convert", qat=run_dir / "qat",
+                          vocab=run_dir / "vocab", tokenizer=tiny_family_distilled["tokenizer"],
+                          verifier=tiny_family_distilled["verifier"])
+    export(inputs, out, ExportConfig(smoke_prompts=0, slm_graphs="separate"))  # the prefill graph's faults stay testable
     return run_dir, out / "bundle"

@@ -250,7 +250,7 @@ def test_exact_verification_through_the_bridge_commits_the_verifiers_own_text(bp
     cfg = decode_config("specedge", CheckConfig(temperature=1.0))
     drafter = TreeDrafter(cfg, None, OracleSlm(gemma, text, wrong=gemma.convert_tokens_to_ids("▁zebra")))
     verifier = ReferenceVerifier(verifier_model, sampling, keyed_seed=11, hand_off=False, window=None)
-    log = decode_bridged(prompt, encode(gemma, "<start_of_turn>user\nTranslate<end_of_turn>\n")[0], verifier, drafter, bridge,
+    log = decode_bridged((prompt, encode(gemma, "<start_of_turn>user\nTranslate<end_of_turn>\n")[0]), verifier, drafter, bridge,
                          epsilon=1.0, max_new_tokens=48, eos_ids=set(), generator=None)
     assert log.tokens == reference
     accepted = sum(len(r.accepted_sources) for r in log.rounds)
@@ -278,7 +278,7 @@ def test_the_bridge_runs_the_tiny_slm_against_a_verifier_of_another_family(tiny_
         cfg = decode_config(name, CheckConfig(temperature=1.0))
         drafter = TreeDrafter(cfg, None, SlmTorch(slm, keep_ids=None, ring_full=1024, ring_sliding=512, max_prompt=1024))
         verifier = ReferenceVerifier(verifier_model, sampling, keyed_seed=2, hand_off=False, window=None)
-        log = decode_bridged(prompt, list(slm_prompt), verifier, drafter, bridge, epsilon=epsilon, max_new_tokens=24,
+        log = decode_bridged((prompt, list(slm_prompt)), verifier, drafter, bridge, epsilon=epsilon, max_new_tokens=24,
                              eos_ids={bpe.eos_token_id}, generator=None)
         if epsilon == 1.0:
             assert log.tokens == reference
@@ -362,7 +362,7 @@ def test_the_phones_slm_graphs_draft_through_the_bridge(ladder, tiny_family, tin
     cfg = decode_config("specedge", CheckConfig(temperature=1.0))
     drafter = TreeDrafter(cfg, None, SlmOnnx(ladder / "convert", keep_ids=keep, max_prompt=128))
     verifier = ReferenceVerifier(verifier_model, sampling, keyed_seed=4, hand_off=False, window=None)
-    log = decode_bridged(prompt, list(slm_prompt), verifier, drafter, bridge, epsilon=1.0, max_new_tokens=20,
+    log = decode_bridged((prompt, list(slm_prompt)), verifier, drafter, bridge, epsilon=1.0, max_new_tokens=20,
                          eos_ids={bpe.eos_token_id}, generator=None)
     assert log.tokens == reference
     drafted = [f for f in log.bridge if not f.unfinished]

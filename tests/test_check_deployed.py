@@ -36,7 +36,7 @@ def coarse_copy(bundle: Path, out: Path, tensor: str, factor: float) -> Path:
 
 
 def check_report(run_dir: Path, family: dict, bundle: Path, out: Path, configs: list[str], *sets: str) -> dict:
-    from hyco.runtime_check.check import run_check
+    from hyco.runtime_check.check import CheckInputs, PhoneShapes, run_check
     from hyco.runtime_check.stage import phone_shapes
     from ladder import LADDER
 
@@ -45,10 +45,11 @@ def check_report(run_dir: Path, family: dict, bundle: Path, out: Path, configs: 
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml",
                          [*LADDER, "check.backend=onnxruntime", "check.prompts=3", "check.max_new_tokens=24",
                           "check.bootstrap_resamples=500", *sets])
-    run_check(verifier=family["verifier"], assistant=family["assistant"], slm=family["slm"],
-              tokenizer=family["tokenizer"], vocab_dir=run_dir / "vocab", dataset=recipe.dataset, config=recipe.check,
-              out=out, configs=configs, convert_dir=run_dir / "convert", qat_dir=run_dir / "qat", bundle_dir=bundle,
-              **phone_shapes(recipe))
+    inputs = CheckInputs(verifier=family["verifier"], assistant=family["assistant"], slm=family["slm"],
+                         tokenizer=family["tokenizer"], vocab_dir=run_dir / "vocab", dataset=recipe.dataset,
+                         convert_dir=run_dir / "convert", qat_dir=run_dir / "qat", bundle_dir=bundle,
+                         phone=PhoneShapes(**phone_shapes(recipe)))
+    run_check(inputs, recipe.check, out, configs=configs)
     return json.loads((out / "report.json").read_text())
 
 

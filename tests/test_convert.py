@@ -649,8 +649,8 @@ def test_export_holds_no_second_copy_of_the_weights(tiny_text_family, tmp_path, 
 
     ckpt = read_checkpoint(tiny_text_family["slm"])
     model, text, lm_head = load_model(ckpt)
-    static = build_static_model(text, lm_head, text_prefix=ckpt.layout.text_prefix, keep_ids=None,
-                                ring_full=32, ring_sliding=16, topk=4, mask_negative=-50.0)
+    settings = ConvertConfig(ring_full=32, ring_sliding=16, topk=4, mask_negative=-50.0, float_linear_bits=None)
+    static = build_static_model(text, lm_head, settings, text_prefix=ckpt.layout.text_prefix, keep_ids=None)
     del model, text, lm_head
     linears = export_onnx.int_linears(static)
     params = static.state_dict()

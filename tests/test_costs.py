@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hyco.runtime_check.costs import REFERENCE, costs_inputs, project, requests_of, setting_of, tables
+from hyco.runtime_check.costs import REFERENCE, WhatIf, costs_inputs, project, requests_of, setting_of, tables
 
 from hyco.base.errors import HycoError
 from hyco.runtime.configs import decode_config
@@ -95,11 +95,11 @@ def test_project_recomputes_the_same_tables_and_answers_what_if(tmp_path):
     same = project(tmp_path, tmp_path / "p0")
     assert same["rows"] == tables(inputs, setting_of(inputs))["rows"]
     assert {p.name for p in (tmp_path / "p0").iterdir()} == {"projection.json", "projection.md", "figure1.png"}
-    faster = project(tmp_path, tmp_path / "p1", phone_ms={"tree": 20.0})
+    faster = project(tmp_path, tmp_path / "p1", WhatIf(phone_ms={"tree": 20.0}))
     assert faster["rows"]["hyco"]["g_ms"] == same["rows"]["hyco"]["g_ms"]
     assert faster["rows"]["hyco"]["tok_s"] > same["rows"]["hyco"]["tok_s"]
     assert faster["sources"]["phone tree"] == "set by the user (hyco-convert project)"
-    slower = project(tmp_path, tmp_path / "p2", rtt_ms=120.0)
+    slower = project(tmp_path, tmp_path / "p2", WhatIf(rtt_ms=120.0))
     assert slower["rows"]["hyco"]["tok_s"] < same["rows"]["hyco"]["tok_s"]
     assert slower["rows"]["hyco"]["g_ms"] == same["rows"]["hyco"]["g_ms"]
     assert "RTT 120 ms" in slower["sources"]["network"]

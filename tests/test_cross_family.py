@@ -9,6 +9,7 @@ are accepted and the lossless verdict means something.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -20,10 +21,13 @@ import pytest
 pytest.importorskip("transformers")
 
 from hyco.base.errors import HycoError  # noqa: E402
-from hyco.config.recipe import CheckConfig, DatasetConfig, TimingConfig, WorkloadConfig, load_recipe  # noqa: E402
+from hyco.config.recipe import CheckConfig, TimingConfig, WorkloadConfig, load_recipe  # noqa: E402
 
 RECIPES = Path(__file__).parents[1] / "recipes"
 BRIDGED = ["bridge-slm", "bridge-slm-eps", "verifier-alone"]
+
+# the ladder's shapes (tests/ladder.py: convert rings 128 / 64, the head's window 128)
+PHONE = dict(ring_full=128, ring_sliding=64, max_prompt=128, mtp_window=128, capture_point="after_norm")
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +138,16 @@ def test_no_head_steps_cost_nothing_where_the_head_has_no_figure():
 
 
 def _bridged_check(ladder, cross_verifier, out, workload_file: Path | None = None, **overrides):
-    from hyco.runtime_check.check import run_check
+    from hyco.runtime_check.check import CheckInputs, PhoneShapes, run_check
 
     settings = dict(configs=tuple(BRIDGED), prompts=2, max_new_tokens=10, backend="onnxruntime", drafters="deployed",
                     deployed_executor="onnxruntime", threads=1, timing=TimingConfig(enabled=False),
                     bootstrap_resamples=100)
     config = CheckConfig(**{**settings, **overrides})
-    return run_check(verifier=cross_verifier, verifier_tokenizer=cross_verifier, assistant=None, workload=workload_file,
-                     slm=ladder / "fixtures" / "slm", tokenizer=ladder / "fixtures" / "tokenizer",
-                     vocab_dir=ladder / "vocab", dataset=DatasetConfig(), config=config, out=out, ring_full=128, ring_sliding=64, max_prompt=128,
-                     mtp_window=128, capture_point="after_norm", bundle_dir=ladder / "export" / "bundle")
+    inputs = CheckInputs(verifier=cross_verifier, verifier_tokenizer=cross_verifier, workload=workload_file,
+                         slm=ladder / "fixtures" / "slm", tokenizer=ladder / "fixtures" / "tokenizer",
+                         vocab_dir=ladder / "vocab", phone=PhoneShapes(**PHONE), bundle_dir=ladder / "export" / "bundle")
+    return run_check(inputs, config, out)
 
 
 def test_check_drafts_through_the_bridge_on_the_shipped_graphs(ladder, cross_verifier, tmp_path):
@@ -195,15 +199,15 @@ def test_cloud_head_runs_beside_the_bridge_where_the_verifier_has_one(ladder, tm
     """Cloud+head (cloud-mtp) in a bridged check: the verifier's own MTP head on the server, here
     the tiny Gemma verifier with its gemma4_assistant head, bridged to from the SLM's tokenizer
     (the same vocabulary: the bridge's identity case, text in and the same text out)."""
-    from hyco.runtime_check.check import run_check
+    from hyco.runtime_check.check import CheckInputs, PhoneShapes, run_check
 
     fixtures = ladder / "fixtures"
     config = CheckConfig(configs=("cloud-mtp", "bridge-slm"), prompts=2, max_new_tokens=8, threads=1,
                          timing=TimingConfig(enabled=False), bootstrap_resamples=100)
-    run_check(verifier=fixtures / "verifier", verifier_tokenizer=fixtures / "tokenizer",
-              assistant=fixtures / "assistant", slm=fixtures / "slm", tokenizer=fixtures / "tokenizer",
-              vocab_dir=ladder / "vocab", dataset=DatasetConfig(), config=config, out=tmp_path / "check",
-              ring_full=128, ring_sliding=64, max_prompt=128, mtp_window=128, capture_point="after_norm")
+    inputs = CheckInputs(verifier=fixtures / "verifier", verifier_tokenizer=fixtures / "tokenizer",
+                         assistant=fixtures / "assistant", slm=fixtures / "slm", tokenizer=fixtures / "tokenizer",
+                         vocab_dir=ladder / "vocab", phone=PhoneShapes(**PHONE))
+    run_check(inputs, config, tmp_path / "check")
     report = json.loads((tmp_path / "check" / "report.json").read_text())
     assert report["configs"]["cloud-mtp"]["label"] == "Cloud+head" and report["configs"]["cloud-mtp"]["mtp_depth"] == 4
     assert report["lossless"]["cloud-mtp"]["equal"] and report["lossless"]["bridge-slm"]["equal"]
@@ -220,22 +224,18 @@ def test_preflight_takes_a_verifier_of_another_family_only_for_a_bridged_recipe(
 
 
 def test_a_mismatched_verifier_tokenizer_is_refused_by_name(ladder, cross_verifier, tmp_path):
-    from hyco.runtime_check.check import run_check
+    from hyco.runtime_check.check import CheckInputs, PhoneShapes, run_check
 
     slm, tokenizer = ladder / "fixtures" / "slm", ladder / "fixtures" / "tokenizer"
     config = CheckConfig(configs=("bridge-slm",), prompts=1, max_new_tokens=4)
+    inputs = CheckInputs(verifier=cross_verifier, verifier_tokenizer=tokenizer, slm=slm, tokenizer=tokenizer,
+                         vocab_dir=ladder / "vocab", phone=PhoneShapes(**PHONE))
     with pytest.raises(HycoError, match=r"tokenizer.*4096 tokens.*vocabulary of 1024"):
-        run_check(verifier=cross_verifier, verifier_tokenizer=tokenizer, assistant=None,
-                  slm=slm, tokenizer=tokenizer, vocab_dir=ladder / "vocab",
-                  dataset=DatasetConfig(), config=config, out=tmp_path / "check", ring_full=128, ring_sliding=64,
-                  max_prompt=128, mtp_window=128, capture_point="after_norm")
+        run_check(inputs, config, tmp_path / "check")
     assert not (tmp_path / "check").exists()
     with pytest.raises(HycoError, match="cloud-mtp.*models.assistant"):
-        run_check(verifier=cross_verifier, verifier_tokenizer=cross_verifier, assistant=None,
-                  slm=slm, tokenizer=tokenizer, vocab_dir=ladder / "vocab",
-                  dataset=DatasetConfig(), config=CheckConfig(configs=("cloud-mtp",), prompts=1, max_new_tokens=4),
-                  out=tmp_path / "check", ring_full=128, ring_sliding=64, max_prompt=128, mtp_window=128,
-                  capture_point="after_norm")
+        run_check(dataclasses.replace(inputs, verifier_tokenizer=cross_verifier),
+                  CheckConfig(configs=("cloud-mtp",), prompts=1, max_new_tokens=4), tmp_path / "check")
 
 
 def test_the_pipeline_reads_the_verifiers_tokenizer_only_where_the_recipe_bridges():

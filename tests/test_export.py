@@ -344,15 +344,15 @@ def test_a_bundle_of_split_slm_graphs_smokes_through_its_chained_parts(tiny_expo
     """export.compile_parts 2 on both SLM graphs: each ships as two contexts, compiled side by side,
     chained on the simulator by smoke, which passes within calibrate's bounds; the footprint counts
     every part once."""
-    from hyco.export.stage import export
+    from hyco.export.stage import ExportInputs, export
 
     from hyco.qnn.bundle import verify_bundle
 
     run, _ = tiny_export_distilled
     out = tmp_path / "export"
-    export(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat", vocab=run / "vocab", out=out,
-           tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"],
-           config=ExportConfig(smoke_prompts=1, smoke_rounds=2, slm_graphs="separate", compile_parts=2))
+    inputs = ExportInputs(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat", vocab=run / "vocab",
+                          tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"])
+    export(inputs, out, ExportConfig(smoke_prompts=1, smoke_rounds=2, slm_graphs="separate", compile_parts=2))
     meta = verify_bundle(out / "bundle")
     for role in ("tree", "prefill"):
         assert [p["binary"] for p in meta["graphs"][role]["parts"]] == [f"{role}.part{i}_ctx_qnn.bin" for i in (0, 1)]
@@ -439,15 +439,15 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
                                                                                 tiny_family_distilled, tmp_path):
     """On a calibration of both SLM graphs (export.slm_graphs separate): the shared context holds
     them in one binary, a separate bundle holds the weights twice."""
-    from hyco.export.stage import export
+    from hyco.export.stage import ExportInputs, export
 
     from hyco.qnn.bundle import verify_bundle
 
     run, _ = tiny_export_distilled
     out = tmp_path / "export"
-    export(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat",
-           vocab=run / "vocab", out=out, tokenizer=tiny_family_distilled["tokenizer"],
-           verifier=tiny_family_distilled["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="shared"))
+    inputs = ExportInputs(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat", vocab=run / "vocab",
+                          tokenizer=tiny_family_distilled["tokenizer"], verifier=tiny_family_distilled["verifier"])
+    export(inputs, out, ExportConfig(smoke_prompts=0, slm_graphs="shared"))
     meta = verify_bundle(out / "bundle")
     tree, prefill = meta["graphs"]["tree"], meta["graphs"]["prefill"]
     assert tree["parts"][0]["binary"] == prefill["parts"][0]["binary"]
@@ -463,9 +463,7 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
     assert len(list((out / "bundle").glob("*.bin"))) == 2  # shared tree+prefill, and mtp_step
     # against the ladder's two separate contexts: sharing saves one copy of the weights (graph
     # metadata differs a little between the two layouts, hence 0.9)
-    export(calibrate=run / "calibrate", convert=run / "convert", qat=run / "qat",
-           vocab=run / "vocab", out=tmp_path / "separate", tokenizer=tiny_family_distilled["tokenizer"],
-           verifier=tiny_family_distilled["verifier"], config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))
+    export(inputs, tmp_path / "separate", ExportConfig(smoke_prompts=0, slm_graphs="separate"))
     meta = verify_bundle(tmp_path / "separate" / "bundle")
     separate, blobs = meta["graphs"], meta["footprint"]["resident_per_context"]
     assert set(separate) == {"tree", "prefill", "mtp_step"} and meta["separate_prefill_rows"] is None
@@ -481,13 +479,13 @@ def test_shared_context_is_one_binary_labelled_unverified_and_smoke_refuses_it(t
 def test_a_separate_prefill_graph_needs_its_calibration(tiny_calibrated, tmp_path):
     """The ladder calibrates the tree graph alone (export.slm_graphs tree-only): exporting it with a
     separate prefill graph is refused in one line that says how to get one, and writes nothing."""
-    from hyco.export.stage import export
+    from hyco.export.stage import ExportInputs, export
 
     with pytest.raises(HycoError, match=r"no prefill.qdq.onnx \(prefill graph\) .*calibrate builds the prefill graph "
                                         r"only for export.slm_graphs separate or shared"):
-        export(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert",
-               qat=tiny_calibrated / "qat", vocab=tiny_calibrated / "vocab", out=tmp_path / "export",
-               config=ExportConfig(smoke_prompts=0, slm_graphs="separate"))
+        export(ExportInputs(calibrate=tiny_calibrated / "calibrate", convert=tiny_calibrated / "convert",
+                            qat=tiny_calibrated / "qat", vocab=tiny_calibrated / "vocab"),
+               tmp_path / "export", ExportConfig(smoke_prompts=0, slm_graphs="separate"))
     assert not (tmp_path / "export" / "bundle" / "bundle.json").exists()
 
 

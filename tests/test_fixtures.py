@@ -516,7 +516,7 @@ def test_check_tree_rows_of_the_distilled_family_leave_epsilon_selective(tiny_fa
     neither distillation nor sharpening read (torch drafters, the tiny recipe's shapes). Also: the
     sharpening kept the scale its rule picks on its own prompts. (The sampled text's
     statistics are test_distilled_verifier_is_sharp_on_its_own_sampled_text's.)"""
-    from hyco.runtime_check.check import run_check
+    from hyco.runtime_check.check import CheckInputs, PhoneShapes, run_check
     from hyco.runtime_check.stage import phone_shapes
 
     from hyco.config.recipe import load_recipe
@@ -531,9 +531,9 @@ def test_check_tree_rows_of_the_distilled_family_leave_epsilon_selective(tiny_fa
               if t["top_share"] <= sharpen["max_top_share"]}
     kept = counts[float(sharpen["scale"])]
     assert kept <= sharpen["target"] if sharpen["reached"] else kept == min(counts.values())
-    run_check(verifier=family["verifier"], assistant=family["assistant"], slm=family["slm"],
-              tokenizer=family["tokenizer"], vocab_dir=None, dataset=recipe.dataset, config=recipe.check,
-              out=tmp_path / "check", configs=["hyco", "cloud-mtp"], **phone_shapes(recipe))
+    inputs = CheckInputs(verifier=family["verifier"], assistant=family["assistant"], slm=family["slm"],
+                         tokenizer=family["tokenizer"], dataset=recipe.dataset, phone=PhoneShapes(**phone_shapes(recipe)))
+    run_check(inputs, recipe.check, tmp_path / "check", configs=["hyco", "cloud-mtp"])
     report = json.loads((tmp_path / "check" / "report.json").read_text())
     for name, r in report["configs"].items():
         assert 1.0 <= r["tokens_at_epsilon_per_row"] < 10, (name, r["tokens_at_epsilon_per_row"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +43,27 @@ def test_repacked_weight_holds_the_same_integers(shape, transposed):
     assert (unpacked(b, b.shape[1] * size)[:, k:] == 0).all()  # padding is the value 0
 
 
+@dataclass(frozen=True)
+class WeightForm:
+    """How `weight_graph`'s weight is stored and read: its integer type, a zero point (per channel,
+    or one for the tensor), its scales' type, a second reader of the dequantized weight (`tap`)
+    and whether its bytes sit in external data."""
+
+    dtype: int = TensorProto.INT4
+    zero_point: int | None = None
+    zero_point_scalar: bool = False
+    scale_dtype: type = np.float32
+    tap: bool = False
+    external: bool = True
+
+
 def weight_graph(folder: Path, n: int, k: int, lead: list[int], transposed: bool, seed: int,
-                 dtype=TensorProto.INT4, zero_point: int | None = None, zero_point_scalar: bool = False, scale_dtype=np.float32, tap: bool = False,
-                 external: bool = True) -> tuple[Path, np.ndarray, np.ndarray]:
+                 form: WeightForm = WeightForm()) -> tuple[Path, np.ndarray, np.ndarray]:
     """x [*lead, K] @ dequantized weight -> y, saved with its weights as external data; returns
     the path, the integers [N, K] and the scales [N]."""
     from hyco.formats.int4 import pack_int4
 
+    dtype, zero_point, scale_dtype, tap, external = form.dtype, form.zero_point, form.scale_dtype, form.tap, form.external
     rng = np.random.default_rng(seed)
     lo = -8 if dtype == TensorProto.INT4 else -128
     ints = rng.integers(lo, -lo, (n, k)).astype(np.int8)
@@ -61,7 +76,7 @@ def weight_graph(folder: Path, n: int, k: int, lead: list[int], transposed: bool
     inits = [weight, numpy_helper.from_array(scale, "w.scale")]
     dq_inputs = ["w.ints", "w.scale"]
     if zero_point is not None:  # typed fields (int32_data), per channel or one for the tensor
-        per_tensor = zero_point_scalar
+        per_tensor = form.zero_point_scalar
         inits.append(helper.make_tensor("w.zero", dtype, [] if per_tensor else [n], [zero_point] * (1 if per_tensor else n)))
         dq_inputs.append("w.zero")
         if per_tensor:
@@ -137,7 +152,7 @@ def test_what_is_not_fused(tmp_path, case):
               "zero_point_0_scalar": {"zero_point": 0, "zero_point_scalar": True}, "int8": {"dtype": TensorProto.INT8},
               "fp16_scale": {"scale_dtype": np.float16}, "tapped": {"tap": True},
               "inline": {"external": False}}[case]
-    path, _, _ = weight_graph(tmp_path, 24, 32, [1, 4], False, seed=1, **kwargs)
+    path, _, _ = weight_graph(tmp_path, 24, 32, [1, 4], False, seed=1, form=WeightForm(**kwargs))
     model = onnx.load(str(path), load_external_data=False)
     count, folder = fuse_int4_matmuls(model, tmp_path)
     assert count == (1 if case in ("inline", "zero_point_0", "zero_point_0_scalar") else 0) and (folder is None) == (count == 0)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hyco.runtime_check.costs import figure1, project, setting_of, tables
+from hyco.runtime_check.costs import WhatIf, figure1, project, setting_of, tables
 from test_costs import SERVER, inputs_for
 
 from hyco.base.errors import HycoError
@@ -26,7 +26,7 @@ def test_an_rtt_of_0_is_a_value_labelled_as_the_users(tmp_path):
     """RTT 0 (a LAN) replaces the check's 58 ms: every configuration delivers faster, g stays, and
     the network is named custom, not the preset it no longer is. Host work of 0 is none."""
     inputs_for(tmp_path)
-    result = project(tmp_path, tmp_path / "p", rtt_ms=0.0)
+    result = project(tmp_path, tmp_path / "p", WhatIf(rtt_ms=0.0))
     for name, row in result["rows"].items():
         if not row["label"] == "SLM alone":
             assert row["tok_s"] > result["baseline"]["rows"][name]["tok_s"], name
@@ -34,18 +34,18 @@ def test_an_rtt_of_0_is_a_value_labelled_as_the_users(tmp_path):
     assert result["what_if"] == ["RTT 58 -> 0 ms"]
     assert result["sources"]["network"].startswith("custom (lte-ca with RTT 0 ms): RTT 0 ms, up 20 / down 100 Mbit/s")
     assert result["baseline"]["sources"]["network"].startswith("lte-ca: RTT 58 ms")
-    no_host = project(tmp_path, tmp_path / "h", host_ms=0.0)  # the inputs' host work is 1 ms a round
+    no_host = project(tmp_path, tmp_path / "h", WhatIf(host_ms=0.0))  # the inputs' host work is 1 ms a round
     assert no_host["rows"]["hyco"]["tok_s"] > no_host["baseline"]["rows"]["hyco"]["tok_s"]
     assert no_host["sources"]["phone host"] == "set by the user (hyco-convert project)"
 
 
 def test_a_preset_with_a_figure_replaced_is_custom_and_a_plain_preset_keeps_its_name(tmp_path):
     inputs_for(tmp_path)
-    preset = project(tmp_path, tmp_path / "a", network_name="5g-nsa")
+    preset = project(tmp_path, tmp_path / "a", WhatIf(network_name="5g-nsa"))
     assert preset["sources"]["network"].startswith("5g-nsa: RTT 40 ms, up 40 / down 300 Mbit/s")
     assert preset["what_if"] == ["network lte-ca -> 5g-nsa", "RTT 58 -> 40 ms", "up 20 -> 40 Mbit/s",
                                  "down 100 -> 300 Mbit/s"]
-    custom = project(tmp_path, tmp_path / "b", network_name="5g-nsa", up_mbps=5.0)
+    custom = project(tmp_path, tmp_path / "b", WhatIf(network_name="5g-nsa", up_mbps=5.0))
     assert custom["sources"]["network"].startswith("custom (5g-nsa with up 5 Mbit/s): RTT 40 ms, up 5 / down 300")
 
 
@@ -124,7 +124,7 @@ def test_the_paper_profile_gives_the_papers_g_at_the_papers_mats(tmp_path):
     assert paper.verify_ms(33, 500) == 21.7 and paper.verify_ms(5, 4000) == pytest.approx(18.7205)
     assert paper.verify_ms(33, 0) + 4 * paper.head_step == pytest.approx(26.8)  # the server head's round
     paper_inputs(tmp_path)
-    result = project(tmp_path, tmp_path / "p", server_profile=PAPER_PROFILE)
+    result = project(tmp_path, tmp_path / "p", WhatIf(server_profile=PAPER_PROFILE))
     for name, (_, g, *_) in PAPER.items():
         assert result["rows"][name]["g_ms"] == pytest.approx(g, rel=0.05), name
     assert result["rows"]["cloud-mtp"]["g_ms"] == pytest.approx(7.81, rel=0.005)
@@ -200,7 +200,7 @@ def test_figure1_says_what_changed_and_which_way_is_better(tmp_path):
     what-if in the title, the check's points hollow beside the projected ones, every point
     numbered and named in the legend, no two numbers overlapping."""
     inputs_for(tmp_path)
-    result = project(tmp_path, tmp_path / "p", rtt_ms=0.0)
+    result = project(tmp_path, tmp_path / "p", WhatIf(rtt_ms=0.0))
     fig = figure1(result, what_if="RTT 58 -> 0 ms", baseline=result["baseline"])
     (ax,) = fig.axes
     assert "higher is better" in ax.get_xlabel() and "SLM alone" in ax.get_xlabel()

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from safetensors.torch import load_file
 
 from hyco.base.errors import HycoError
-from hyco.config.recipe import QatConfig
+from hyco.config.recipe import AnswersConfig, QatConfig
 from hyco.npu.captures import CaptureSet, capture_answers, load_capture
 from hyco.npu.embed_lut import EmbedLut
 from hyco.npu.handoff import embed_tokens, handoff_states
@@ -406,8 +406,8 @@ def test_sampled_answers_are_reproducible_and_not_greedy(tiny_family):
                for i, text in enumerate(["Tell me about the sea.", "What is 2 + 2?", "Write a haiku."])]
 
     def run(source, seed=0):
-        return list(generate_answers(verifier, tok, prompts, source=source, max_new_tokens={"train": 12},
-                                     max_prompt_tokens=32, seed=seed))
+        config = AnswersConfig(source=source, max_new_tokens_train=12, max_prompt_tokens=32, seed=seed)
+        return list(generate_answers(verifier, tok, prompts, config))
 
     sampled = run("sampled")
     assert sampled == run("sampled") and sampled != run("sampled", seed=1)

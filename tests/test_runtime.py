@@ -216,11 +216,11 @@ def test_cloud_mtp_drafts_from_the_whole_prefix(family, prompt, monkeypatch):
     check gives each configuration its own window, and the server head's chain equals qat's
     chain from the hand-off over the whole prompt."""
     from hyco.runtime_check import check as check_module
-    from hyco.runtime_check.check import decode_all, handoff_window
+    from hyco.runtime_check.check import CheckInputs, Models, decode_all, handoff_window
 
     verifier, head = family["verifier"], family["assistant"]
     small = PhoneShapes(1024, 512, 1024, 8, "after_norm")
-    check = CheckConfig(temperature=0.0)
+    check = CheckConfig(temperature=0.0, max_new_tokens=2)
     assert len(prompt) > 8
     windows = []
 
@@ -231,8 +231,9 @@ def test_cloud_mtp_drafts_from_the_whole_prefix(family, prompt, monkeypatch):
 
     monkeypatch.setattr(check_module, "ReferenceVerifier", Recording)
     for name in ("cloud-mtp", "hyco-exact"):
-        decode_all([prompt], decode_config(name, check), check, small, verifier=verifier, head=head,
-                   slm=family["slm"], keep_ids=None, eos_ids=set(), max_new_tokens=2)
+        decode_all([prompt], decode_config(name, check), check,
+                   CheckInputs(verifier=Path(), slm=Path(), tokenizer=Path(), phone=small),
+                   Models(verifier=verifier, head=head, slm=family["slm"], keep_ids=None, eos_ids=set()))
     assert windows == [None, 8]
     drafts = {}
     for name, rows in (("cloud-mtp", len(prompt)), ("hyco-exact", 8)):
@@ -704,17 +705,14 @@ def test_int4_step_graph_stays_within_4bit_weight_noise(family, mtp_graphs, keep
 
 
 def test_onnxruntime_backend_without_the_qat_graphs(slm_graphs, tmp_path):
-    from hyco.runtime_check.check import run_check
+    from hyco.runtime_check.check import CheckInputs, run_check
 
     from hyco.base.errors import HycoError
-    from hyco.config.recipe import DatasetConfig
 
+    inputs = CheckInputs(verifier=tmp_path, assistant=tmp_path, slm=tmp_path, tokenizer=tmp_path, phone=GRAPH_PHONE,
+                         convert_dir=slm_graphs, qat_dir=tmp_path / "missing-qat")
     with pytest.raises(HycoError, match=r"needs the qat stage's graphs, but .*missing-qat/io_spec.json"):
-        run_check(verifier=tmp_path, assistant=tmp_path, slm=tmp_path, tokenizer=tmp_path, vocab_dir=None,
-                  dataset=DatasetConfig(), config=CheckConfig(backend="onnxruntime", drafters="float", configs=("hyco",)),
-                  out=tmp_path / "out", convert_dir=slm_graphs, qat_dir=tmp_path / "missing-qat",
-                  **{k: getattr(GRAPH_PHONE, k) for k in ("ring_full", "ring_sliding", "max_prompt", "mtp_window",
-                                                          "capture_point")})
+        run_check(inputs, CheckConfig(backend="onnxruntime", drafters="float", configs=("hyco",)), tmp_path / "out")
 
 
 def test_mtp_graph_refuses_settings_it_was_not_built_for(mtp_graphs, keep):

@@ -165,17 +165,18 @@ def verifier_alone(verifier: ReferenceVerifier, prompt: list[int], max_new_token
     return log
 
 
-def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: ReferenceVerifier,
-                   drafter: TreeDrafter, bridge: TokenBridge, *, epsilon: float, max_new_tokens: int,
-                   eos_ids: set[int], generator: torch.Generator | None,
-                   probe_epsilon: float | None = None, max_rounds: int | None = None,
-                   on_round: Callable[[], None] | None = None) -> DecodeLog:
+def decode_bridged(prompt: tuple[list[int], list[int]], verifier: ReferenceVerifier, drafter: TreeDrafter,
+                   bridge: TokenBridge, *, epsilon: float, max_new_tokens: int, eos_ids: set[int],
+                   generator: torch.Generator | None, probe_epsilon: float | None = None,
+                   on_round: Callable[[int], bool] | None = None) -> DecodeLog:
     """Hybrid decoding through the token bridge (`bridge-slm`; hyco/runtime/bridge.py): the SLM
     drafts its tree in its tokens on its own prompt (its chat template), the server maps the tree
     to the verifier's tokens and verifies it on the verifier's prompt, and the SLM's context
-    follows the committed text. `log.tokens` are verifier tokens; `log.bridge` holds the bridge's
-    figures per round. `max_rounds`: stop after that many rounds; `on_round`: called as each
-    round starts (export's smoke marks its passes per round)."""
+    follows the committed text. `prompt`: the turn in the verifier's ids and in the SLM's.
+    `log.tokens` are verifier tokens; `log.bridge` holds the bridge's figures per round.
+    `on_round`: called as each round starts with the rounds done so far; False ends the decoding
+    there (export's smoke marks its passes per round and stops after a few)."""
+    verifier_prompt, slm_prompt = prompt
     if drafter.mtp is not None or drafter.config.pd_passes:
         raise ValueError(f"{drafter.config.name}: the token bridge drafts SLM-only trees (no MTP head, no PD)")
     probe = epsilon if probe_epsilon is None else probe_epsilon
@@ -185,9 +186,9 @@ def decode_bridged(verifier_prompt: list[int], slm_prompt: list[int], verifier: 
     slm.start(slm_prompt)
     context = SlmContext(bridge.slm_tokenizer, list(slm_prompt))
     out = [reply.root]
-    while len(out) < max_new_tokens and out[-1] not in eos_ids and len(log.rounds) != max_rounds:
-        if on_round is not None:
-            on_round()
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        if on_round is not None and not on_round(len(log.rounds)):
+            break
         start = time.perf_counter()
         text, unfinished = complete_text(bridge.verifier_tokenizer, out)
         unchanged = len(context.prompt) + context.stable  # context tokens no new text can change
