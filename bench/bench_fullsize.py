@@ -198,6 +198,22 @@ def speed_probe_in_child(out: Path) -> dict[str, float]:
     return json.loads(done.stdout)
 
 
+def cpu_text(cpu: dict | None) -> str:
+    """'Intel(R) Xeon(R) Processor, L2 2048K, L3 491520K' from `cpu_identity`'s figures."""
+    if not cpu:
+        return "unknown"
+    caches = ", ".join(f"{k.split()[0]} {v}" for k, v in (cpu.get("caches") or {}).items() if k.startswith(("L2", "L3")))
+    return ", ".join(x for x in (cpu.get("model"), caches) if x)
+
+
+PROBES = {"python_s": "60 M Python additions", "sha256_s": "sha256 of 2 GB", "copy_s": "1 GiB copied 8 times",
+          "gather_s": "16 M random reads"}
+
+
+def speed_text(probe: dict | None) -> str:
+    return ", ".join(f"{PROBES.get(k, k)} {v} s" for k, v in probe.items()) if probe else "not measured"
+
+
 def cpu_identity() -> dict:
     """What the VM says its CPU is (model name, cache sizes, boot id): two runs that differ in speed
     can be told apart by host only when these differ (a live migration keeps the boot id)."""
@@ -347,11 +363,11 @@ def summary_md(report: dict) -> str:
           "",
           f"Recipe {report['recipe']} with the bench's plumbing overrides (few QAT steps and calibration prompts, "
           "no HTP simulator runs or smoke, convert parity off; bit-exactness always checked). Machine: "
-          f"{report['machine']['cpus']} CPUs ({report['machine'].get('cpu')}), {report['machine']['mem_gib']} GiB; "
-          f"load average at start "
-          f"{report['machine']['load_avg_start']} (shared with other jobs). Speed probe (single-threaded, seconds: "
-          f"60 M Python additions / sha256 of 2 GB / 1 GiB copied 8 times / 16 M random reads; this VM's speed moves by up to ~1.8x between runs): "
-          f"start {report['machine'].get('speed_start')}, end {report['machine'].get('speed_end')}.",
+          f"{report['machine']['cpus']} CPUs ({cpu_text(report['machine'].get('cpu'))}), "
+          f"{report['machine']['mem_gib']} GiB; load average at start {report['machine']['load_avg_start']} (shared "
+          "with other jobs). Speed probe (single-threaded seconds, lower is faster; this VM's speed moves by up to "
+          f"~1.8x between runs): start {speed_text(report['machine'].get('speed_start'))}; end "
+          f"{speed_text(report['machine'].get('speed_end'))}.",
           "",
           markdown_table(rows, list(rows[0])) if rows else "(no stage ran)",
           "",
@@ -410,7 +426,7 @@ def print_table(report: dict) -> None:
     t = report["totals"]
     print(f"{'total':<10} {'':<8} {t['wall_s']:>8.1f} {t['peak_rss_mb']:>13.0f} {mb(t['bytes']):>16}")
     m = report["machine"]
-    print(f"\nspeed probe (s, single-threaded; python, sha256, copy, gather): start {m.get('speed_start')}, end {m.get('speed_end')}")
+    print(f"\nspeed probe (single-threaded): start {speed_text(m.get('speed_start'))}; end {speed_text(m.get('speed_end'))}")
     print("\nTable 3:")
     for r in report["sizes"]["table3"]:
         vs = "-" if r["vs_paper"] is None else f"{100 * r['vs_paper']:+.1f}%"
