@@ -382,9 +382,8 @@ def summary_md(report: dict) -> str:
                    markdown_table(phase_rows(st), ["phase", "wall_s", "cpu_s", "peak_rss_mib_so_far", "rss_mib_at_end"]), ""]
             a = st.get("phase_accounting")
             if a:
-                md += [f"{st['stage']}'s {st['wall_s']} s: {a['start_up_s']} s before its first phase, {a['phases_s']} s "
-                       f"in its phases, {a['wind_up_s']} s after the last, {a['between_phases_s']} s between phases: "
-                       f"{a['named_share']:.1%} of the wall accounted for by name.", ""]
+                md += [f"{st['stage']}'s {st['wall_s']} s: {a['named_share']:.1%} accounted for by name (the rows "
+                       "above add up to it).", ""]
     if report.get("fixtures"):
         f = report["fixtures"]
         md.append(f"Fixtures (not in the totals): {f['wall_s']} s, peak RSS {f['peak_rss_mb']:.0f} MiB, {mb(f['bytes'])}.")

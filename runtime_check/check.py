@@ -216,9 +216,10 @@ def keyed_seed(check: CheckConfig, prompt_index: int) -> int:
 
 def decode_all(prompts: list[list[int]], cfg: DecodeConfig, check: CheckConfig, inputs: CheckInputs, models: Models,
                seeds: list[int] | None = None) -> list[DecodeLog]:
-    """Each prompt from fresh caches, `check.max_new_tokens` at most. `seeds`: per prompt, the verifier samples each token keyed by its position (the committed
-    text is then the verifier's own keyed text whatever the drafts: `keyed_generate`). Under
-    `accelerate launch` each process decodes its share of the prompts (`hyco.base.launch`)."""
+    """Each prompt from fresh caches, `check.max_new_tokens` at most. `seeds`: per prompt, the
+    verifier samples each token keyed by its position (the committed text is then the verifier's
+    own keyed text whatever the drafts: `keyed_generate`). Under `accelerate launch` each process
+    decodes its share of the prompts (`hyco.base.launch`)."""
     from hyco.base.launch import in_order, my_positions
 
     sampling = Sampling(check.temperature, check.top_k, check.top_p)
