@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -299,45 +300,82 @@ def to_codes(feeds: dict, spec) -> dict:
     return {t.name: t.to_codes(feeds[t.name]) if t.takes_codes else feeds[t.name] for t in spec.inputs}
 
 
-def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase) -> dict[str, Any]:
+@dataclass
+class FloatPasses:
+    """The SLM fidelity's float side: the float driver's recording (its passes spilled to disk,
+    its sessions dropped), the trees it built (the QDQ driver replays them), the passes SQNR
+    reads and their layer outputs."""
+
+    recorded: Any  # record_slm's driver
+    script: list
+    picks: dict[str, list[int]]
+    ref_taps: dict[str, Any]
+
+
+def slm_layers(convert: Path, slm_graphs: dict[str, str]) -> dict[str, dict[str, str]]:
     import onnx
+
+    return {g: layer_outputs(onnx.load(str(convert / name), load_external_data=False)) for g, name in slm_graphs.items()}
+
+
+def eval_answers(inputs: dict, config) -> list[dict]:
+    return [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
+
+
+def fidelity_session(folder: Path, name: str, taps: list[str], tmp: Path, tag: str):
+    """A graph's fidelity session, which also returns its layer outputs: SQNR runs the float
+    driver's feeds through the same sessions (no second session per graph, slow to open at E2B size)."""
+    import onnx
+    from hyco.calibrate.stage import extra_output_session
+
+    return extra_output_session(onnx.load(str(folder / name), load_external_data=False), taps, tmp, tag, weights=folder)
+
+
+def float_passes(convert: Path, inputs: dict, config, negative: float, tmp: Path) -> FloatPasses:
+    """convert's float graphs driven over the eval answers, the trees recorded for the QDQ
+    driver. Needs nothing calibrate quantizes: it can run beside the quantization (a thread)."""
     from hyco.calibrate.drive import slm_driver
-    from hyco.calibrate.stage import PARITY_NAMES, extra_output_session, record_slm
+    from hyco.calibrate.stage import record_slm
 
-    evals = [a for a in inputs["answers"] if a["split"] == "eval"][:config.eval_prompts]
     slm_graphs = inputs["slm_graphs"]  # the graphs the phone runs: tree alone also prefills
-    graphs = tuple(slm_graphs)
-    # Each graph's fidelity session also returns its layer outputs: SQNR runs the float driver's
-    # feeds through the same sessions (no second session per graph, slow to open at E2B size).
-    layers = {g: layer_outputs(onnx.load(str(convert / name), load_external_data=False)) for g, name in slm_graphs.items()}
-    taps = {g: list(layers[g].values()) for g in slm_graphs}
-
-    def sessions(folder: Path, names: dict[str, str], tag: str) -> dict:
-        return {g: extra_output_session(onnx.load(str(folder / names[g]), load_external_data=False), taps[g], tmp,
-                                        f"{tag}_{g}", weights=folder) for g in slm_graphs}
-
-    # The float driver builds the trees; the QDQ driver then walks the same trees (`lockstep`'s
-    # replay): two graphs' sessions open at a time, not four (GBs less at E2B size).
+    layers = slm_layers(convert, slm_graphs)
+    ref = {g: fidelity_session(convert, name, list(layers[g].values()), tmp, f"float_{g}") for g, name in slm_graphs.items()}
     script: list = []
-    picks, ref_taps, q_taps = {}, {}, {}
-    with phase("fidelity: float SLM passes"):
-        ref = sessions(convert, slm_graphs, "float")
-        f_slm = record_slm(slm_driver(convert, inputs["keep_ids"], ref, negative, spill=tmp / "evaluated" / "float",
-                                      graphs=graphs), evals, config, script=script)
-        for g in slm_graphs:
-            rec = f_slm.sessions[g]
-            picks[g] = np.linspace(0, len(rec.active) - 1, min(config.sqnr_passes, len(rec.active))).astype(int).tolist()
-            ref_taps[g] = layer_taps(ref[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
-        for g in graphs:
-            f_slm.sessions[g].session = None  # only their passes are read below
-        ref = None
+    recorded = record_slm(slm_driver(convert, inputs["keep_ids"], ref, negative, spill=tmp / "evaluated" / "float",
+                                     graphs=tuple(slm_graphs)), eval_answers(inputs, config), config, script=script)
+    picks, ref_taps = {}, {}
+    for g in slm_graphs:
+        rec = recorded.sessions[g]
+        picks[g] = np.linspace(0, len(rec.active) - 1, min(config.sqnr_passes, len(rec.active))).astype(int).tolist()
+        ref_taps[g] = layer_taps(ref[g], list(layers[g].values()), [rec.passes[i][0] for i in picks[g]],
+                                 [rec.active[i] for i in picks[g]])
+        rec.session = None  # only its passes are read from here on
+    return FloatPasses(recorded, script, picks, ref_taps)
+
+
+def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase,
+            floats: FloatPasses | None = None) -> dict[str, Any]:
+    """The SLM graphs' fidelity: the float passes (`floats`, or run here), then the QDQ driver
+    walking the same trees (`lockstep`'s replay): two graphs' sessions open at a time, not four
+    (GBs less at E2B size)."""
+    from hyco.calibrate.drive import slm_driver
+    from hyco.calibrate.stage import PARITY_NAMES, record_slm
+
+    slm_graphs = inputs["slm_graphs"]
+    graphs = tuple(slm_graphs)
+    layers = slm_layers(convert, slm_graphs)
+    if floats is None:
+        with phase("fidelity: float SLM passes"):
+            floats = float_passes(convert, inputs, config, negative, tmp)
+    f_slm, picks, ref_taps, q_taps = floats.recorded, floats.picks, dict(floats.ref_taps), {}
     with phase("fidelity: QDQ SLM passes"):
-        qdq = sessions(out, PARITY_NAMES, "qdq")
+        qdq = {g: fidelity_session(out, PARITY_NAMES[g], list(layers[g].values()), tmp, f"qdq_{g}") for g in slm_graphs}
         q_slm = record_slm(slm_driver(convert, inputs["keep_ids"], qdq, negative, spill=tmp / "evaluated" / "qdq",
-                                      graphs=graphs), evals, config, replay=script)
+                                      graphs=graphs), eval_answers(inputs, config), config, replay=floats.script)
         for g in slm_graphs:  # the float driver's feeds: each pass's own quantization error, no KV drift
             rec = f_slm.sessions[g]
-            q_taps[g] = layer_taps(qdq[g], taps[g], [rec.passes[i][0] for i in picks[g]], [rec.active[i] for i in picks[g]])
+            q_taps[g] = layer_taps(qdq[g], list(layers[g].values()), [rec.passes[i][0] for i in picks[g]],
+                                   [rec.active[i] for i in picks[g]])
         for g in graphs:
             q_slm.sessions[g].session = None
         qdq = None
@@ -414,13 +452,13 @@ def run_mtp(qat: Path, out: Path, inputs: dict, config, negative: float, tmp: Pa
 
 
 def run_all(convert: Path, qat: Path | None, out: Path, inputs: dict, config, slm_negative: float,
-            mtp_negative: float | None, tmp: Path, phase=None) -> dict[str, Any]:
+            mtp_negative: float | None, tmp: Path, phase=None, floats: FloatPasses | None = None) -> dict[str, Any]:
     """`phase`: the stage's `artifacts.Phases` (default: a log of its own). `qat` None: the SLM's
-    graphs only."""
+    graphs only. `floats`: the SLM's float passes, run already (else here)."""
     from hyco.pipeline.artifacts import Phases
 
     phase = phase or Phases("calibrate")
-    slm = run_slm(convert, out, inputs, config, slm_negative, tmp, phase)
+    slm = run_slm(convert, out, inputs, config, slm_negative, tmp, phase, floats)
     if qat is None:
         return slm
     with phase("fidelity: MTP"):

@@ -21,6 +21,7 @@ a time (two side by side doubled the peak at E2B size).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import gc
 import math
 import tempfile
@@ -373,10 +374,13 @@ def kv_overrides(graph, feeds: list[dict], outputs: list[dict], config: Calibrat
 
 
 def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Path, out: Path,
-                  phase: Phases, weight_bits: dict[str, int], two_bit: TwoBitDecision) -> dict[str, Any]:
+                  phase: Phases, weight_bits: dict[str, int], two_bit: TwoBitDecision,
+                  eval_config: CalibrateConfig) -> dict[str, Any]:
     """Record convert's graphs; prepare and measure tree and prefill side by side, a worker
     process each (their graph rewriting is single-threaded Python); then quantize each and
-    write its deployable graph (`deployable`), one graph at a time."""
+    write its deployable graph (`deployable`), one graph at a time, beside the fidelity's float
+    passes (driven as `eval_config` says) where the memory allows (`side_by_side`)."""
+    from hyco.calibrate import evaluate
     from hyco.calibrate.masks import MaskStats, choose_mask
 
     from hyco.base.workers import in_processes
@@ -412,14 +416,56 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     result["mask"] = mask
     done = {}
     job = SlmQuantization(convert, tmp, out, config, mask["mask_negative"], grids, weight_bits, two_bit)
-    for g in graphs:  # one at a time: each takes GBs at E2B size
-        with phase(f"{g}: quantize, deployable graph, bit-exact proof, encodings"):
-            done[g] = quantize_and_deploy(g, job, recorded[g], measured[g]["ranges"],
-                                          inputs["convert_specs"][SLM_GRAPHS[g]])
+    # The fidelity's float passes need the mask value and convert's graphs, nothing quantized: on a
+    # thread beside the quantize, which keeps about one core busy, their session on the other
+    # (onnxruntime's runs release the GIL; split over both cores, each operator waited for the half
+    # whose core the quantize held)
+    result["side_by_side"] = side_by_side(convert, graphs, config)
+    beside = ", beside the fidelity's float SLM passes (a thread)" if result["side_by_side"]["fits"] else ""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="float-fidelity") as pool:
+        floats = pool.submit(quietly, 1, evaluate.float_passes, convert, inputs, eval_config, mask["mask_negative"], tmp) if beside else None
+        for g in graphs:  # one at a time: each takes GBs at E2B size
+            with phase(f"{g}: quantize, deployable graph, bit-exact proof, encodings{beside}"):
+                done[g] = quantize_and_deploy(g, job, recorded[g], measured[g]["ranges"],
+                                              inputs["convert_specs"][SLM_GRAPHS[g]])
+        if floats is not None:
+            with phase("fidelity: float SLM passes, what is left of them after the quantize"):
+                result["float_passes"] = floats.result()
     result["graphs"] = {g: {**d["graph"], "phases": {**measured[g]["phases"], **d["phases"]}}
                         for g, d in done.items()}
     result["deployed"] = {g: d["deployed"] for g, d in done.items()}
     return result
+
+
+def quietly(threads: int | None, fn, *args):
+    """fn(*args) on a thread beside the stage's own work: its CPU sessions do not spin, and run on
+    `threads` (None: every core)."""
+    from hyco.base.workers import beside_other_work
+
+    with beside_other_work(threads):
+        return fn(*args)
+
+
+# Measured at E2B and E4B shapes (bench_fullsize's phases): a float fidelity session over convert's
+# graph raised the RSS by 1.7x the graph's weight bytes (E2B: 1,673 MiB for 983 MiB), the quantize
+# phase by up to 2.5x (E2B: 2,425 MiB; E4B: 4.8 GiB for 2.0 GiB)
+FLOAT_SESSION_PER_WEIGHT_BYTE = 1.7
+QUANTIZE_PER_WEIGHT_BYTE = 2.5
+
+
+def side_by_side(convert: Path, graphs: dict[str, str], config: CalibrateConfig) -> dict[str, Any]:
+    """Whether the fidelity's float passes may run beside the quantize: this process's RSS now plus
+    both phases' estimates from the largest graph's weight bytes, within `calibrate.memory_gb`
+    (else this machine's memory). The estimate and the budget go to the report."""
+    from hyco.base.memory import rss_mb
+    from hyco.pipeline.preflight import machine_memory_gb
+    from hyco.qnn.bundle import weight_bytes
+
+    weights = max(weight_bytes(convert / name) for name in graphs.values())
+    need = rss_mb() * 2**20 + (FLOAT_SESSION_PER_WEIGHT_BYTE + QUANTIZE_PER_WEIGHT_BYTE) * weights
+    budget = (config.memory_gb or machine_memory_gb()) * 1024**3
+    return {"fits": need <= budget, "estimate_gib": round(need / 1024**3, 2), "budget_gib": round(budget / 1024**3, 2),
+            "budget": "calibrate.memory_gb" if config.memory_gb else "this machine's memory"}
 
 
 def moved_copies(graph, name: str) -> list[str]:
@@ -745,32 +791,47 @@ def quantize_and_measure(convert: Path, qat: Path | None, inputs: dict, config: 
     over the calibration samples."""
     from hyco.calibrate import evaluate
 
+    from hyco.base.workers import beside_other_work
+
     weight_bits = convert_weight_bits(convert)
-    slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits, two_bit)
+    slm = calibrate_slm(convert, inputs, config, tmp, out, phase, weight_bits, two_bit, eval_config=config)
     deployed, mtp = slm.pop("deployed"), None
-    if qat is not None:
-        with phase("mtp: record, prepare, quantize"):
-            mtp = calibrate_mtp(qat, inputs, config, tmp, out)
-        with phase("mtp: deployable graph, bit-exact proof, encodings"):
-            deployed["mtp"] = deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
-                                         inputs["qat_specs"][MTP_GRAPH], mtp["mask"]["mask_negative"], weight_bits,
-                                         two_bit)
     specs = {g: d["spec"] for g, d in deployed.items()}
-    fidelity = evaluate.run_all(convert, qat, out, inputs, config, slm["mask"]["mask_negative"],
-                                mtp and mtp["mask"]["mask_negative"], tmp, phase)
-    with phase("fidelity floor"):
-        floor = fidelity_floor(convert, out, tmp, fidelity, config)
-    # The HTP checks (the simulator in worker processes, one core) and the fidelity over further
-    # calibration samples (onnxruntime on this process's cores) need nothing from each other: side
-    # by side, each on its own thread, they take the longer of the two, not their sum.
-    with phase(f"HTP checks (simulator) beside the fidelity over {config.fidelity_seeds} calibration samples"), \
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="htp") as pool:
-        htp_side = pool.submit(htp_proofs, out, specs, fidelity["htp_feeds"], config)
-        spread = (fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, two_bit, fidelity["graphs"])
-                  if config.fidelity_seeds > 1 else
-                  {g: {"seeds": [config.seed], "top1_agreement": [fidelity["graphs"][g]["top1_agreement"]]}
-                   for g in specs})
-        bounds, htp_results = htp_side.result()
+    fidelity = evaluate.run_slm(convert, out, inputs, config, slm["mask"]["mask_negative"], tmp, phase,
+                                slm.pop("float_passes", None))
+    # The SLM graphs' HTP side (the bounds on onnxruntime, the simulator in worker processes) needs
+    # only their fidelity passes: it runs on a thread while this one builds and measures the MTP
+    # step graph (its sessions on one core: the HTP bound is the longer) and the fidelity over
+    # further calibration samples, and takes the longer, not the sum
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="htp") as pool:
+        alone = qat is None and config.fidelity_seeds == 1  # nothing runs beside: its sessions may spin
+        slm_htp = pool.submit(htp_proofs if alone else functools.partial(quietly, None, htp_proofs),
+                              out, dict(specs), fidelity["htp_feeds"], config)
+        beside = " (the SLM graphs' HTP checks beside, a thread)"
+        if qat is not None:
+            with beside_other_work(threads=1):
+                with phase(f"mtp: record, prepare, quantize{beside}"):
+                    mtp = calibrate_mtp(qat, inputs, config, tmp, out)
+                with phase(f"mtp: deployable graph, bit-exact proof, encodings{beside}"):
+                    deployed["mtp"] = deployable("mtp", mtp.pop("deploy_model"), qat / MTP_GRAPH, out,
+                                                 inputs["qat_specs"][MTP_GRAPH], mtp["mask"]["mask_negative"],
+                                                 weight_bits, two_bit)
+                specs["mtp"] = deployed["mtp"]["spec"]
+                with phase(f"fidelity: MTP{beside}"):
+                    measured = evaluate.run_mtp(qat, out, inputs, config, mtp["mask"]["mask_negative"], tmp)
+            for key in ("graphs", "htp_feeds"):
+                fidelity[key] |= measured[key]
+        with phase("fidelity floor"):
+            floor = fidelity_floor(convert, out, tmp, fidelity, config)
+        with phase(f"HTP checks (simulator): the MTP step's, the rest of the SLM graphs', beside the fidelity over "
+                   f"{config.fidelity_seeds} calibration samples"):
+            spread = (fidelity_spread(convert, qat, inputs, config, tmp, weight_bits, two_bit, fidelity["graphs"])
+                      if config.fidelity_seeds > 1 else
+                      {g: {"seeds": [config.seed], "top1_agreement": [fidelity["graphs"][g]["top1_agreement"]]}
+                       for g in specs})
+            bounds, htp_results = htp_proofs(out, {"mtp": specs["mtp"]}, fidelity["htp_feeds"], config) if qat else ({}, {})
+            slm_bounds, slm_results = slm_htp.result()
+            bounds, htp_results = slm_bounds | bounds, slm_results | htp_results
     fidelity.pop("htp_feeds")
     return {"slm": slm, "mtp": mtp, "specs": specs, "bitexact": {g: d["bitexact"] for g, d in deployed.items()},
             "traps": {g: d["traps"] for g, d in deployed.items()},
@@ -883,11 +944,12 @@ def fidelity_spread(convert: Path, qat: Path | None, inputs: dict, config: Calib
         seeded = dataclasses.replace(config, seed=config.seed + k)
         folder = tmp / f"seed-{seeded.seed}"
         folder.mkdir()
-        slm = calibrate_slm(convert, inputs, seeded, folder, folder, Phases("calibrate"), weight_bits, two_bit)
-        mtp = calibrate_mtp(qat, inputs, seeded, folder, folder) if qat is not None else None
         # evaluated as the stage's own graphs are: `config`'s seed drives the same eval passes
+        slm = calibrate_slm(convert, inputs, seeded, folder, folder, Phases("calibrate"), weight_bits, two_bit,
+                            eval_config=config)
+        mtp = calibrate_mtp(qat, inputs, seeded, folder, folder) if qat is not None else None
         fid = evaluate.run_all(convert, qat, folder, inputs, config, slm["mask"]["mask_negative"],
-                               mtp and mtp["mask"]["mask_negative"], folder)
+                               mtp and mtp["mask"]["mask_negative"], folder, floats=slm.pop("float_passes", None))
         for g, row in out.items():
             row["seeds"].append(seeded.seed)
             row["top1_agreement"].append(fid["graphs"][g]["top1_agreement"])

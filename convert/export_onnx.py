@@ -54,6 +54,26 @@ def _int2_to_int4_table() -> np.ndarray:
 INT2_TO_INT4 = _int2_to_int4_table()
 
 
+def _int2_pairs_table() -> np.ndarray:
+    """uint32 [65536]: two Gemma int2 bytes read as one little-endian uint16 -> their four ONNX
+    INT4 bytes as one little-endian uint32. One lookup per two bytes, from a table that stays in
+    cache: about ten times the [256, 2] table's speed on a graph's 2-bit weights."""
+    pair = INT2_TO_INT4.copy().view("<u2").reshape(-1).astype(np.uint32)
+    both = np.arange(65536)
+    return (pair[both & 0xFF] | (pair[both >> 8] << 16)).astype("<u4")
+
+
+INT2_PAIRS_TO_INT4 = _int2_pairs_table()
+
+
+def int2_to_int4_bytes(packed: np.ndarray) -> bytes:
+    """Gemma int2 bytes -> ONNX INT4 bytes (`INT2_TO_INT4`), two input bytes per lookup."""
+    flat = packed.reshape(-1)
+    even = flat[:flat.size - flat.size % 2]
+    out = np.take(INT2_PAIRS_TO_INT4, even.view("<u2"), mode="clip").tobytes()
+    return out + INT2_TO_INT4[flat[even.size:]].tobytes()
+
+
 def int4_raw(m: IntLinear) -> bytes:
     """ONNX INT4 raw data of a 2/4-bit IntLinear, straight from its packed checkpoint bytes:
     Gemma int4 stores value + 8 per nibble (first value low), ONNX the two's-complement nibble
@@ -65,7 +85,7 @@ def int4_raw(m: IntLinear) -> bytes:
     if m.in_features % per_byte == 0 and m.in_features % 2 == 0:
         if m.bits == 4:
             return (packed ^ np.uint8(0x88)).tobytes()
-        return INT2_TO_INT4[packed].tobytes()
+        return int2_to_int4_bytes(packed)
     return pack_int4(m.int_values().numpy())
 
 

@@ -7,6 +7,7 @@ keyword-only function; the pipeline (`inputs`/`build`) and the CLI (`convert/cli
 
 from __future__ import annotations
 
+import concurrent.futures
 import tempfile
 import time
 from pathlib import Path
@@ -96,69 +97,77 @@ def requantized(ckpt, source: str, bits: int) -> tuple[np.ndarray, np.ndarray, d
 
 
 def bitexact(out: Path, graph: str, enc: dict[str, Any], ckpt, keep_ids) -> dict[str, Any]:
-    """Per linear: do the graph's ints and scales equal the checkpoint's? Read back from the
-    written ONNX and from the checkpoint's safetensors, both memory-mapped, one tensor at a time
-    in row blocks (only the keep rows of a restricted head), unpacked with the numpy reader in
-    host.py (independent of the exporter and of transformers)."""
+    """Per linear: do the graph's ints and scales equal the checkpoint's? (`tensor_bitexact`, two
+    tensors at a time: numpy unpacks and compares with the GIL released, so both cores work.)"""
+    import onnx
+
+    model = onnx.load(str(out / graph), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    sources = sorted(enc["weights"])
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="bitexact") as pool:
+        proven = pool.map(lambda s: tensor_bitexact(s, enc["weights"][s], inits, out, ckpt, keep_ids), sources)
+        return dict(zip(sources, proven, strict=True))
+
+
+def tensor_bitexact(source: str, e: dict[str, Any], inits: dict, out: Path, ckpt, keep_ids) -> dict[str, Any]:
+    """One linear's ints and scales, read back from the written ONNX (`inits`, weights in `out`)
+    and from the checkpoint's safetensors, both memory-mapped, in row blocks (only the keep rows
+    of a restricted head), unpacked with the numpy reader in host.py (independent of the exporter
+    and of transformers), against each other."""
     import onnx
     from hyco.convert.load import tied_embedding
 
     from hyco.formats.int4 import unpack_int4
     from hyco.npu.host import mmap_safetensors, unpack_ints
 
-    model = onnx.load(str(out / graph), load_external_data=False)
-    inits = {t.name: t for t in model.graph.initializer}
-    rows = {}
-    for source, e in sorted(enc["weights"].items()):
-        ints_t, scale_t = inits[e["onnx_initializer"]], inits[e["onnx_initializer"][:-len("ints")] + "scale"]
-        shape = tuple(ints_t.dims)
-        graph_scale = initializer_array(scale_t, out)
-        # A tied output layer's ints and scales are embed_tokens' table (convert/load.py, check_tied_head).
-        ints_name, scale_name = f"{source}.weight", f"{source}.weight_scale"
-        if source == "lm_head" and ckpt.tied_head:
-            ints_name, scale_name = (f"{tied_embedding(ckpt)}.embedding_quantized",
-                                     f"{tied_embedding(ckpt)}.embedding_scale")
-        bits = ckpt.bits.get(source, e["bits"])  # the checkpoint's width, not the graph's claim
-        error = None
-        if e.get("origin", "checkpoint") != "checkpoint":
-            # Not the checkpoint's ints: proven against hyco-convert's quantization redone from the
-            # float weight in the file, and its error against that weight reported.
-            bits, ints_name, scale_name = e["bits"], f"{source}.weight", None
-            ints, ck_scale, error = requantized(ckpt, source, bits)
-            ck_packed = ints
+    ints_t, scale_t = inits[e["onnx_initializer"]], inits[e["onnx_initializer"][:-len("ints")] + "scale"]
+    shape = tuple(ints_t.dims)
+    graph_scale = initializer_array(scale_t, out)
+    # A tied output layer's ints and scales are embed_tokens' table (convert/load.py, check_tied_head).
+    ints_name, scale_name = f"{source}.weight", f"{source}.weight_scale"
+    if source == "lm_head" and ckpt.tied_head:
+        ints_name, scale_name = (f"{tied_embedding(ckpt)}.embedding_quantized",
+                                 f"{tied_embedding(ckpt)}.embedding_scale")
+    bits = ckpt.bits.get(source, e["bits"])  # the checkpoint's width, not the graph's claim
+    error = None
+    if e.get("origin", "checkpoint") != "checkpoint":
+        # Not the checkpoint's ints: proven against hyco-convert's quantization redone from the
+        # float weight in the file, and its error against that weight reported.
+        bits, ints_name, scale_name = e["bits"], f"{source}.weight", None
+        ints, ck_scale, error = requantized(ckpt, source, bits)
+        ck_packed = ints
+    else:
+        ck_packed = mmap_safetensors(ckpt.tensors[ints_name][2], [ints_name])[0][ints_name]
+        ck_scale = np.asarray(mmap_safetensors(ckpt.tensors[scale_name][2], [scale_name])[0][scale_name]).reshape(-1)
+    ck_rows = np.arange(ck_packed.shape[0])
+    if source == "lm_head" and keep_ids is not None:  # the keep rows only
+        ck_rows, ck_scale = np.asarray(keep_ids), ck_scale[keep_ids]
+    int4 = ints_t.data_type == onnx.TensorProto.INT4
+    stored = initializer_bytes(ints_t, out) if int4 else initializer_array(ints_t, out)
+    ints_equal = len(shape) == 2 and len(ck_rows) == shape[0]
+    # Row blocks of ~16 M values: the unpacking transients of a 86K-row head stay small.
+    # INT4 rows of an odd width do not start on a byte: compare those whole.
+    step = shape[0] if int4 and shape[1] % 2 else max(1, (16 << 20) // max(1, shape[1]))
+    for r0 in range(0, shape[0] if ints_equal else 0, step):
+        r1 = min(shape[0], r0 + step)
+        if int4:
+            g = unpack_int4(stored[r0 * shape[1] // 2: -(-r1 * shape[1] // 2)], (r1 - r0) * shape[1])
+            g = g.reshape(r1 - r0, shape[1])
         else:
-            ck_packed = mmap_safetensors(ckpt.tensors[ints_name][2], [ints_name])[0][ints_name]
-            ck_scale = np.asarray(mmap_safetensors(ckpt.tensors[scale_name][2], [scale_name])[0][scale_name]).reshape(-1)
-        ck_rows = np.arange(ck_packed.shape[0])
-        if source == "lm_head" and keep_ids is not None:  # the keep rows only
-            ck_rows, ck_scale = np.asarray(keep_ids), ck_scale[keep_ids]
-        int4 = ints_t.data_type == onnx.TensorProto.INT4
-        graph = initializer_bytes(ints_t, out) if int4 else initializer_array(ints_t, out)
-        ints_equal = len(shape) == 2 and len(ck_rows) == shape[0]
-        # Row blocks of ~16 M values: the unpacking transients of a 86K-row head stay small.
-        # INT4 rows of an odd width do not start on a byte: compare those whole.
-        step = shape[0] if int4 and shape[1] % 2 else max(1, (16 << 20) // max(1, shape[1]))
-        for r0 in range(0, shape[0] if ints_equal else 0, step):
-            r1 = min(shape[0], r0 + step)
-            if int4:
-                g = unpack_int4(graph[r0 * shape[1] // 2: -(-r1 * shape[1] // 2)], (r1 - r0) * shape[1])
-                g = g.reshape(r1 - r0, shape[1])
-            else:
-                g = graph[r0:r1]
-            ck = np.asarray(ck_packed[ck_rows[r0:r1]])
-            ck = ck if error is not None else unpack_ints(ck, bits, shape[1])
-            ints_equal = ints_equal and ck.shape == g.shape and np.array_equal(ck, g)
-            if not ints_equal:
-                break
-        rows[source] = {"bits": bits, "container": onnx.TensorProto.DataType.Name(ints_t.data_type),
-                        "shape": list(shape), "checkpoint_tensors": [n for n in (ints_name, scale_name) if n],
-                        "origin": e.get("origin", "checkpoint"),
-                        "ints_equal": bool(ints_equal),
-                        "scales_equal": bool(ck_scale.shape == graph_scale.shape
-                                             and np.array_equal(ck_scale.view(np.uint32), graph_scale.view(np.uint32)))}
-        if error is not None:
-            rows[source].update(note=QUANTIZED_HERE, error_vs_float=error)
-    return rows
+            g = stored[r0:r1]
+        ck = np.asarray(ck_packed[ck_rows[r0:r1]])
+        ck = ck if error is not None else unpack_ints(ck, bits, shape[1])
+        ints_equal = ints_equal and ck.shape == g.shape and np.array_equal(ck, g)
+        if not ints_equal:
+            break
+    row = {"bits": bits, "container": onnx.TensorProto.DataType.Name(ints_t.data_type),
+           "shape": list(shape), "checkpoint_tensors": [n for n in (ints_name, scale_name) if n],
+           "origin": e.get("origin", "checkpoint"), "ints_equal": bool(ints_equal),
+           "scales_equal": bool(ck_scale.shape == graph_scale.shape
+                                and np.array_equal(ck_scale.view(np.uint32), graph_scale.view(np.uint32)))}
+    if error is not None:
+        row.update(note=QUANTIZED_HERE, error_vs_float=error)
+    return row
 
 
 def same_weights(out: Path, graph: str, proven: str, enc: dict[str, Any], proven_rows: dict[str, Any]) -> dict[str, Any]:

@@ -1158,3 +1158,38 @@ def test_the_quantizer_patches_refuse_an_onnxruntime_they_were_not_proven_on(tmp
     with pytest.raises(HycoError, match=r"no ONNXModel\.get_initializer"), lean_quantizer(tmp_path):
         pass
     assert inspect.getattr_static(ort_calibrate.MinMaxCalibrater, "augment_graph") is augment
+
+
+@pytest.mark.slow  # two calibrate runs on the tiny family
+def test_float_passes_beside_the_quantize_write_what_one_after_the_other_writes(tiny_calibrated, tmp_path):
+    """The fidelity's float passes on a thread beside the quantize (`stage.side_by_side`: the memory
+    allows) and the same passes after it (calibrate.memory_gb too small for both: the estimate
+    refuses) write the same graphs, encodings and io_spec byte for byte and the same fidelity,
+    spread and HTP-bound figures; each report says which ran and why."""
+    from hyco.calibrate.stage import calibrate
+
+    from hyco.config.recipe import CalibrateConfig
+
+    run = tiny_calibrated
+    reports = {}
+    for how, memory_gb in (("beside", None), ("after", 0.001)):
+        config = CalibrateConfig(prompts=2, eval_prompts=1, max_new_tokens=8, sqnr_passes=1, mtp_positions=1,
+                                 mtp_steps=2, htp_check=False, fidelity_seeds=2, max_kl=None, min_sqnr_db=None,
+                                 memory_gb=memory_gb)
+        calibrate(convert=run / "convert", qat=run / "qat", vocab=run / "vocab", answers=run / "answers",
+                  out=tmp_path / how, config=config)
+        reports[how] = json.loads((tmp_path / how / "report.json").read_text())
+    beside, after = reports["beside"], reports["after"]
+    assert beside["slm"]["side_by_side"]["fits"] and not after["slm"]["side_by_side"]["fits"]
+    assert after["slm"]["side_by_side"]["budget"] == "calibrate.memory_gb"
+    assert after["slm"]["side_by_side"]["estimate_gib"] > after["slm"]["side_by_side"]["budget_gib"]
+    names = {how: list(r["phases"]) for how, r in reports.items()}
+    assert any("beside the fidelity's float SLM passes" in n for n in names["beside"])
+    assert "fidelity: float SLM passes" in names["after"] and "fidelity: float SLM passes" not in names["beside"]
+    files = sorted(p.relative_to(tmp_path / "after") for p in (tmp_path / "after").rglob("*") if p.is_file()
+                   and p.name not in ("report.json", "summary.md", "manifest.json", "stage.log"))
+    assert any(p.suffix == ".onnx" for p in files) and any(p.name == "encodings.json" for p in files)
+    for rel in files:
+        assert (tmp_path / "after" / rel).read_bytes() == (tmp_path / "beside" / rel).read_bytes(), rel
+    for key in ("graphs", "fidelity_details", "htp_bounds"):
+        assert json.dumps(beside[key], sort_keys=True) == json.dumps(after[key], sort_keys=True), key

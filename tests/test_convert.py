@@ -364,6 +364,18 @@ def test_int_initializer_from_packed_bytes_equals_unpacked_ints():
             assert np.array_equal(got, values.numpy()), (bits, width)
 
 
+def test_int2_pair_lookup_equals_the_byte_table_on_every_pair_of_bytes():
+    """int2 weights go to INT4 two bytes per lookup (`int2_to_int4_bytes`): on all 65,536 pairs
+    of bytes, and on an odd tail, the same bytes as the one-byte table that the test above
+    holds to transformers' unpacking."""
+    from hyco.convert.export_onnx import INT2_TO_INT4, int2_to_int4_bytes
+
+    every_pair = np.arange(65536, dtype="<u2").view(np.uint8)
+    assert int2_to_int4_bytes(every_pair) == INT2_TO_INT4[every_pair].tobytes()
+    odd = every_pair[:7].reshape(7, 1)
+    assert int2_to_int4_bytes(odd) == INT2_TO_INT4[odd].tobytes()
+
+
 def test_rmsnorm_decomposed_close_to_transformers():
     from hyco.convert.rewrites import decompose_rmsnorm
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm

@@ -309,6 +309,21 @@ def test_load_keep_set_checks_the_tokenizer(hand_tokenizer, hand_corpus, tmp_pat
     Tokenizer.from_file(str(other / "tokenizer.json"))  # still a valid tokenizer
     with pytest.raises(HycoError, match="another tokenizer"):
         load_keep_set(out, tokenizer=other)
+    # A folder's hash is computed once per process while its files stay as they are
+    from hyco.data import keepset
+
+    loads = []
+    real = keepset.load_tokenizer
+    keepset.load_tokenizer = lambda path: loads.append(path) or real(path)
+    try:
+        with pytest.raises(HycoError, match="another tokenizer"):  # its hash from the refusal above
+            load_keep_set(out, tokenizer=other)
+        assert not loads
+        data["model"]["vocab"]["f"] = data["model"]["vocab"].pop("g")  # renamed back: the set's tokenizer again
+        (other / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+        assert load_keep_set(out, tokenizer=other).size == keep.size and len(loads) == 1
+    finally:
+        keepset.load_tokenizer = real
     # Index files that disagree with keep_set.json are refused.
     np.save(out / "keep_to_vocab.npy", np.load(out / "keep_to_vocab.npy")[::-1].copy())
     with pytest.raises(HycoError, match="disagree"):

@@ -10,8 +10,10 @@ together)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +26,30 @@ def cpu_threads() -> int:
     """Intra-op threads for the CPU sessions this process opens (`hyco.qnn.ort.session_for`):
     0 (onnxruntime's default, one per core) outside workers; in a worker its share of the cores,
     so that workers side by side do not oversubscribe them (two workers with two spinning threads
-    each on 2 cores spent more CPU seconds in calibrate's prepare phase for nothing)."""
-    return _threads
+    each on 2 cores spent more CPU seconds in calibrate's prepare phase for nothing); on a thread
+    inside `beside_other_work(threads)`, that many."""
+    return getattr(_beside, "threads", None) or _threads
+
+
+_beside = threading.local()  # a thread whose sessions share the cores with another thread's work
+
+
+@contextlib.contextmanager
+def beside_other_work(threads: int | None = None):
+    """The CPU sessions this thread opens inside the block do not spin while they wait for work
+    (`spins`) and, given `threads`, run on that many (`cpu_threads`): beside another thread's work on
+    the same cores, a spinning onnxruntime thread takes CPU from it for nothing, and an operator
+    split over both cores waits for the half whose core the other work holds."""
+    _beside.on, _beside.threads = True, threads
+    try:
+        yield
+    finally:
+        _beside.on, _beside.threads = False, None
+
+
+def spins() -> bool:
+    """Whether this thread's CPU sessions may spin (onnxruntime's default), see `beside_other_work`."""
+    return not getattr(_beside, "on", False)
 
 
 def in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], what: str, at_once: int | None = None) -> list[Any]:

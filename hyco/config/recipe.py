@@ -199,10 +199,15 @@ class CalibrateConfig:
     # None: no such floor (the random-weight fixtures that test the pipeline, not fidelity).
     max_kl: float | None = 0.015
     min_sqnr_db: float | None = 20.0  # the floor's per-layer SQNR (see max_kl)
+    # What the stage may hold at once when it runs the fidelity's float passes beside the quantize
+    # (calibrate/stage.py side_by_side); over it, one after the other (null: this machine's memory)
+    memory_gb: float | None = None
 
     def __post_init__(self):
         _require(self.prompts >= 1, f"calibrate.prompts must be >= 1, but got {self.prompts}")
         _require(self.max_kl is None or self.max_kl > 0, f"calibrate.max_kl must be > 0 or null, but got {self.max_kl}")
+        _require(self.memory_gb is None or self.memory_gb > 0,
+                 f"calibrate.memory_gb must be > 0 or null, but got {self.memory_gb}")
         _require(self.fidelity_seeds >= 1, f"calibrate.fidelity_seeds must be >= 1, but got {self.fidelity_seeds}")
         _require(self.eval_prompts >= 1, f"calibrate.eval_prompts must be >= 1, but got {self.eval_prompts}")
         _require(50.0 < self.kv_percentile <= 100.0, f"calibrate.kv_percentile must be in (50, 100], but got {self.kv_percentile}")

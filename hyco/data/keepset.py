@@ -21,6 +21,7 @@ keep index is its position there; `keep_to_vocab.npy` (int32, size) and `vocab_t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -71,6 +72,20 @@ def tokenizer_hash(tokenizer) -> str:
     """
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return hashlib.sha256(json.dumps(tokens, ensure_ascii=False).encode()).hexdigest()
+
+
+def folder_tokenizer_hash(path: str | Path) -> str:
+    """`tokenizer_hash` of a tokenizer folder, loaded once per process while its files stay as
+    they are (calibrate checks the keep set against convert's and qat's tokenizer, most often one
+    folder: the Gemma tokenizer takes seconds to load)."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    return _folder_hash(str(path), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _folder_hash(path: str, files: tuple) -> str:
+    return tokenizer_hash(load_tokenizer(path))
 
 
 def load_tokenizer(path: str | Path):
@@ -252,10 +267,10 @@ def load_keep_set(path: str | Path, tokenizer=None) -> KeepSet:
     if not np.array_equal(keep_to_vocab, token_ids) or not np.array_equal(index_maps(token_ids, vocab_size)[1], vocab_to_keep):
         raise HycoError(f"{folder}: {KEEP_TO_VOCAB} / {VOCAB_TO_KEEP} disagree with {KEEP_SET}")
     if tokenizer is not None:
-        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
-        actual = tokenizer_hash(tok)
+        folder = isinstance(tokenizer, str | Path)
+        actual = folder_tokenizer_hash(tokenizer) if folder else tokenizer_hash(tokenizer)
         if actual != expected_hash:
-            where = tokenizer if isinstance(tokenizer, str | Path) else getattr(tok, "name_or_path", "tokenizer")
+            where = tokenizer if folder else getattr(tokenizer, "name_or_path", "tokenizer")
             raise HycoError(f"{meta_path}: keep set was built for another tokenizer "
                             f"(hash {expected_hash[:12]}, but {where} has {actual[:12]})")
     return KeepSet(token_ids=keep_to_vocab, vocab_to_keep=vocab_to_keep, tokenizer_hash=expected_hash,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyco.base.workers import cpu_threads
+from hyco.base.workers import cpu_threads, spins
 from hyco.quant.int2_blocks import restore_opset
 from hyco.quant.int4_matmul import fuse_int4_matmuls, shares_repacks
 from hyco.quant.onnx_graph import consumers as graph_consumers
@@ -205,6 +205,8 @@ def session_options(optimize: bool = False, arena: bool = True, priority_order: 
     so.log_severity_level = 3
     so.enable_cpu_mem_arena = arena
     so.intra_op_num_threads = cpu_threads()  # a worker's share of the cores (hyco.base.workers); 0 elsewhere
+    if not spins():
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if priority_order:
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return so

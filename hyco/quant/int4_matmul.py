@@ -32,6 +32,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,9 @@ from hyco.quant.onnx_graph import consumers as graph_consumers
 
 FUSED_DATA = "int4_matmul.data"  # the session's repacked weights, in a folder of its own
 _shared: dict | None = None  # shared_repacks' folder and index while its block runs
+# sessions may open on two threads at once (calibrate's float fidelity passes beside its quantize):
+# one writer appends to the shared file and index at a time
+_shared_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -282,7 +286,8 @@ def fuse_int4_matmuls(model, weights_folder: Path) -> tuple[int, Path | None]:
     if not plans:
         return 0, None
     if _shared is not None and Path(weights_folder).resolve() in _shared["sources"]:
-        _write_fused(model, Path(weights_folder), _shared["folder"], plans, inits, outputs, _shared["index"])
+        with _shared_lock:
+            _write_fused(model, Path(weights_folder), _shared["folder"], plans, inits, outputs, _shared["index"])
         return len(plans), _shared["folder"]
     folder = Path(tempfile.mkdtemp(prefix="hyco-int4-matmul-"))
     try:
