@@ -464,7 +464,8 @@ def side_by_side(convert: Path, graphs: dict[str, str], config: CalibrateConfig)
     weights = max(weight_bytes(convert / name) for name in graphs.values())
     need = rss_mb() * 2**20 + (FLOAT_SESSION_PER_WEIGHT_BYTE + QUANTIZE_PER_WEIGHT_BYTE) * weights
     budget = (config.memory_gb or machine_memory_gb()) * 1024**3
-    return {"fits": need <= budget, "estimate_gib": round(need / 1024**3, 2), "budget_gib": round(budget / 1024**3, 2),
+    # in MiB, measured keys (`_mb`): the RSS in the estimate differs from run to run
+    return {"fits": need <= budget, "estimate_mb": round(need / 2**20), "budget_mb": round(budget / 2**20),
             "budget": "calibrate.memory_gb" if config.memory_gb else "this machine's memory"}
 
 

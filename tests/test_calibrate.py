@@ -1182,7 +1182,7 @@ def test_float_passes_beside_the_quantize_write_what_one_after_the_other_writes(
     beside, after = reports["beside"], reports["after"]
     assert beside["slm"]["side_by_side"]["fits"] and not after["slm"]["side_by_side"]["fits"]
     assert after["slm"]["side_by_side"]["budget"] == "calibrate.memory_gb"
-    assert after["slm"]["side_by_side"]["estimate_gib"] > after["slm"]["side_by_side"]["budget_gib"]
+    assert after["slm"]["side_by_side"]["estimate_mb"] > after["slm"]["side_by_side"]["budget_mb"]
     names = {how: list(r["phases"]) for how, r in reports.items()}
     assert any("beside the fidelity's float SLM passes" in n for n in names["beside"])
     assert "fidelity: float SLM passes" in names["after"] and "fidelity: float SLM passes" not in names["beside"]
