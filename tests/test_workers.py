@@ -80,3 +80,30 @@ def test_workers_take_their_share_of_the_cores_and_sessions_use_it(tmp_path, mon
     assert single.get_session_options().intra_op_num_threads == 1
     assert default.get_session_options().intra_op_num_threads == 0
     np.testing.assert_array_equal(single.run(None, {"x": x})[0], default.run(None, {"x": x})[0])
+
+
+def test_sessions_beside_other_work_take_their_share_and_do_not_spin():
+    """A thread inside `beside_other_work(1)` opens sessions on one core that do not spin; a
+    nested block restores the outer one's setting, and another thread keeps the defaults."""
+    import threading
+
+    from hyco.base import workers
+    from hyco.qnn.ort import session_options
+
+    def options():
+        so = session_options()
+        return so.intra_op_num_threads, so.get_session_config_entry("session.intra_op.allow_spinning")
+
+    with pytest.raises(Exception):  # no entry set: onnxruntime's default (spinning)
+        session_options().get_session_config_entry("session.intra_op.allow_spinning")
+    with workers.beside_other_work(threads=1):
+        assert options() == (1, "0")
+        with workers.beside_other_work():
+            assert options() == (workers._threads, "0")
+        assert options() == (1, "0")
+        other = []
+        thread = threading.Thread(target=lambda: other.append((workers.cpu_threads(), workers.spins())))
+        thread.start()
+        thread.join()
+        assert other == [(workers._threads, True)]
+    assert workers.cpu_threads() == workers._threads and workers.spins()

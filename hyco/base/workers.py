@@ -40,11 +40,12 @@ def beside_other_work(threads: int | None = None):
     (`spins`) and, given `threads`, run on that many (`cpu_threads`): beside another thread's work on
     the same cores, a spinning onnxruntime thread takes CPU from it for nothing, and an operator
     split over both cores waits for the half whose core the other work holds."""
+    outer = getattr(_beside, "on", False), getattr(_beside, "threads", None)
     _beside.on, _beside.threads = True, threads
     try:
         yield
     finally:
-        _beside.on, _beside.threads = False, None
+        _beside.on, _beside.threads = outer
 
 
 def spins() -> bool:
