@@ -65,7 +65,9 @@ def test_kill9_inside_every_stage_then_rerun_equals_an_uninterrupted_run(referen
     # beside its stage folder, where the rerun removes it, not here (nothing removes it here).
     system_tmp = tmp_path / "system-tmp"
     system_tmp.mkdir()
-    env = {**run_env(), "TMPDIR": str(system_tmp)}
+    # torch inductor's compile cache is a cache, kept in the real temp folder on purpose
+    # (artifacts.scratch_tempdir; convert's torch makes it): given a folder of its own here
+    env = {**run_env(), "TMPDIR": str(system_tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
     rng = random.Random(SEED)
     stages = [row["stage"] for row in json.loads((reference / "run_report.json").read_text())["stages"]]
     assert stages[-2:] == ["export", "check"], stages  # the QNN compile is killed too
