@@ -145,9 +145,10 @@ def tensor_bitexact(source: str, e: dict[str, Any], inits: dict, out: Path, ckpt
     int4 = ints_t.data_type == onnx.TensorProto.INT4
     stored = initializer_bytes(ints_t, out) if int4 else initializer_array(ints_t, out)
     ints_equal = len(shape) == 2 and len(ck_rows) == shape[0]
-    # Row blocks of ~16 M values: the unpacking transients of a 86K-row head stay small.
+    # Row blocks of ~8 M values: the unpacking transients of a 86K-row head stay small, and the
+    # two threads of `bitexact` together hold what one block of 16 M values did.
     # INT4 rows of an odd width do not start on a byte: compare those whole.
-    step = shape[0] if int4 and shape[1] % 2 else max(1, (16 << 20) // max(1, shape[1]))
+    step = shape[0] if int4 and shape[1] % 2 else max(1, (8 << 20) // max(1, shape[1]))
     for r0 in range(0, shape[0] if ints_equal else 0, step):
         r1 = min(shape[0], r0 + step)
         if int4:

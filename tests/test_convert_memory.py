@@ -3,7 +3,7 @@ weight bytes.
 
 The case: the e2b-shapes preset at 4 layers (S, F, S, F, the last two KV-shared) and E2B's real
 widths, written by the full-size writer (hyco/fixtures/fullsize.py), with the vocabulary cut to
-65,536 rows so the test stays near 30 s (the full 262,144 rows took 5 min under load): 190 MiB of
+65,536 rows so the test stays near 30 s (the full 262,144 rows took 5 min under load): 161 MiB of
 safetensors, a 4-bit token table and untied 4-bit output layer of 48 MiB each, the
 2-bit per-layer table, ~70 MiB of layers. convert runs without a keep set, parity off, in a
 child process that reports its own VmHWM (hyco.pipeline.artifacts.peak_rss_mb) and its RSS after
@@ -14,7 +14,9 @@ safetensors and the static module keeps those packed tensors (file pages, counte
 they are read); the embedding tables are copied file to file (luts.py). On top come bounded
 transients: finalize builds one initializer at a time (the largest tensor's INT4 bytes and their
 proto copy), the trace's float activations (128 prefill rows x the vocabulary) and bitexact's row
-blocks. Measured (2 cores, load ~5): 291 MiB above the imports = 1.53x. Holding the linears
+blocks (two threads, 8 M values each). Measured (2 cores, load ~1, 161 MiB checkpoint): 291-296
+MiB above the imports = 1.81-1.84x, the same with bitexact on one thread, so its blocks do not
+set the peak. Holding the linears
 unpacked to int8 as well (what convert did before issue 13; simulated by IntLinear keeping
 `int_values()` beside `packed`) measured 3.28x, so this test fails then. (Without
 compat_torch.onnx_shape_inference_without it measured 1.77x here, inside the bound: that copy scales with the output

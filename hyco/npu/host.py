@@ -67,7 +67,8 @@ def unpack_ints(packed: np.ndarray, bits: int, width: int) -> np.ndarray:
     u = packed.astype(np.uint8)
     fields = [(u >> (bits * k)) & ((1 << bits) - 1) for k in range(per_byte)]
     values = np.stack(fields, axis=-1).reshape(*u.shape[:-1], -1)[..., :width]
-    return (values.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    # uint8 subtraction wraps to the two's-complement byte: no int16 copy of the block.
+    return (values - np.uint8(1 << (bits - 1))).view(np.int8)
 
 
 @dataclass
