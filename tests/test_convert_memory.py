@@ -16,9 +16,9 @@ transients: finalize builds one initializer at a time (the largest tensor's INT4
 proto copy), the trace's float activations (128 prefill rows x the vocabulary) and bitexact's row
 blocks (two threads, 8 M values each). Measured (2 cores, load ~1, 161 MiB checkpoint): 291-296
 MiB above the imports = 1.81-1.84x, the same with bitexact on one thread, so its blocks do not
-set the peak. Holding the linears
-unpacked to int8 as well (what convert did before issue 13; simulated by IntLinear keeping
-`int_values()` beside `packed`) measured 3.28x, so this test fails then. (Without
+set the peak. Holding the linears unpacked to int8 as well (what convert did before issue 13;
+simulated by IntLinear keeping `int_values()` beside `packed`) measured 3.28x, so this test fails
+then. (Without
 compat_torch.onnx_shape_inference_without it measured 1.77x here, inside the bound: that copy scales with the output
 layer's rows, +0.8 GB at 262,144 rows; bench/bench_fullsize.py shows it.)
 """
