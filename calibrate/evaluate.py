@@ -304,12 +304,14 @@ def to_codes(feeds: dict, spec) -> dict:
 class FloatPasses:
     """The SLM fidelity's float side: the float driver's recording (its passes spilled to disk,
     its sessions dropped), the trees it built (the QDQ driver replays them), the passes SQNR
-    reads and their layer outputs."""
+    reads and their layer outputs; and the QDQ sessions where they were opened beside the float
+    passes' end (`qdq_sessions`; None: `run_slm` opens them)."""
 
     recorded: Any  # record_slm's driver
     script: list
     picks: dict[str, list[int]]
     ref_taps: dict[str, Any]
+    qdq: dict[str, Any] | None = None
 
 
 def slm_layers(convert: Path, slm_graphs: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -353,13 +355,21 @@ def float_passes(convert: Path, inputs: dict, config, negative: float, tmp: Path
     return FloatPasses(recorded, script, picks, ref_taps)
 
 
+def qdq_sessions(convert: Path, out: Path, slm_graphs: dict[str, str], tmp: Path) -> dict[str, Any]:
+    """The SLM fidelity's QDQ sessions (the parity twins in `out`), which also return the layer outputs."""
+    from hyco.calibrate.stage import PARITY_NAMES
+
+    layers = slm_layers(convert, slm_graphs)
+    return {g: fidelity_session(out, PARITY_NAMES[g], list(layers[g].values()), tmp, f"qdq_{g}") for g in slm_graphs}
+
+
 def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp: Path, phase,
             floats: FloatPasses | None = None) -> dict[str, Any]:
     """The SLM graphs' fidelity: the float passes (`floats`, or run here), then the QDQ driver
     walking the same trees (`lockstep`'s replay): two graphs' sessions open at a time, not four
     (GBs less at E2B size)."""
     from hyco.calibrate.drive import slm_driver
-    from hyco.calibrate.stage import PARITY_NAMES, record_slm
+    from hyco.calibrate.stage import record_slm
 
     slm_graphs = inputs["slm_graphs"]
     graphs = tuple(slm_graphs)
@@ -369,7 +379,7 @@ def run_slm(convert: Path, out: Path, inputs: dict, config, negative: float, tmp
             floats = float_passes(convert, inputs, config, negative, tmp)
     f_slm, picks, ref_taps, q_taps = floats.recorded, floats.picks, dict(floats.ref_taps), {}
     with phase("fidelity: QDQ SLM passes"):
-        qdq = {g: fidelity_session(out, PARITY_NAMES[g], list(layers[g].values()), tmp, f"qdq_{g}") for g in slm_graphs}
+        qdq, floats.qdq = floats.qdq or qdq_sessions(convert, out, slm_graphs, tmp), None
         q_slm = record_slm(slm_driver(convert, inputs["keep_ids"], qdq, negative, spill=tmp / "evaluated" / "qdq",
                                       graphs=graphs), eval_answers(inputs, config), config, replay=floats.script)
         for g in slm_graphs:  # the float driver's feeds: each pass's own quantization error, no KV drift

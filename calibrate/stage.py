@@ -383,12 +383,15 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
     from hyco.calibrate import evaluate
     from hyco.calibrate.masks import MaskStats, choose_mask
 
-    from hyco.base.workers import in_processes
+    from hyco.base.workers import in_background, in_processes
 
     train = [a for a in inputs["answers"] if a["split"] == "train"][:config.prompts]
-    graphs = inputs["slm_graphs"]  # tree alone (export.slm_graphs tree-only): calibrated on its prefill passes too
+    graphs = inputs["slm_graphs"]  # tree alone (export.slm_graphs tree-only): calibrated on its prepared passes too
+    # preparing a graph for the HTP needs only convert's graph: single-threaded graph rewriting, a
+    # process each beside the recording, which keeps about one core and a half busy
+    preparing = {g: in_background(prepare_graph, (convert, g, tmp), f"calibrate: preparing {g}") for g in graphs}
     # kv_overrides reads the new K/V rows; the logits (rows x keep set, fp32) are not kept
-    with phase("record float passes"):
+    with phase(f"record float passes, beside {' and '.join(graphs)}'s preparation (a process each)"):
         from hyco.calibrate.drive import slm_driver
 
         driver = slm_driver(convert, inputs["keep_ids"], output_prefixes=("new_k_", "new_v_"), spill=tmp / "recorded",
@@ -400,15 +403,19 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
         gc.collect()  # the driver's hook on its own _run is a reference cycle: GBs until a collection
     result: dict[str, Any] = {"passes": {g: n for g, (_, n) in recorded.items()}}
     # the input grids (a pass over every LUT row, one core) need nothing from the preparation:
-    # computed here while the workers prepare
-    with phase(f"{' + '.join(graphs)}: prepare, mask statistics (a process each), beside the input grids from the "
-               "LUTs and rotary tables"), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grids") as pool:
+    # computed here while the workers measure
+    with phase(f"{' + '.join(graphs)}: the rest of the preparation, mask statistics (a process each), beside the "
+               "input grids from the LUTs and rotary tables"), \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grids") as pool:
         grids_side = pool.submit(input_grids, convert, {t.name for spec in (inputs["convert_specs"][n] for n in graphs.values())
                                                         for t in spec.inputs})
+        prepare_s = {g: future.result() for g, future in preparing.items()}
         measured = dict(zip(graphs, in_processes(
-            prepare_and_measure, [(convert, g, tmp, *recorded[g], config) for g in graphs],
-            "calibrate: preparing the SLM graphs"), strict=True))
+            measure_prepared, [(g, tmp, *recorded[g], config) for g in graphs],
+            "calibrate: measuring the prepared SLM graphs"), strict=True))
         grids = grids_side.result()
+    for g in graphs:
+        measured[g]["phases"] = {"prepare_s": prepare_s[g], **measured[g]["phases"]}
     result["input_grids"] = {k: {"scale": s, "zero_point": z} for k, (s, z) in grids.items()}
     # one mask value for both graphs (one host, one ring): from both graphs' worst rows
     both = MaskStats({f"{g}:{k}": v for g, m in measured.items() for k, v in m["mask_stats"].layers.items()})
@@ -429,8 +436,13 @@ def calibrate_slm(convert: Path, inputs: dict, config: CalibrateConfig, tmp: Pat
                 done[g] = quantize_and_deploy(g, job, recorded[g], measured[g]["ranges"],
                                               inputs["convert_specs"][SLM_GRAPHS[g]])
         if floats is not None:
-            with phase("fidelity: float SLM passes, what is left of them after the quantize"):
+            # the fidelity's QDQ sessions need only the parity twins just written: opened here (one
+            # core, mostly) while the float passes finish on the other
+            with phase("fidelity: float SLM passes, what is left of them after the quantize, beside the QDQ "
+                       "sessions' opening"):
+                qdq = evaluate.qdq_sessions(convert, out, graphs, tmp)
                 result["float_passes"] = floats.result()
+                result["float_passes"].qdq = qdq
     result["graphs"] = {g: {**d["graph"], "phases": {**measured[g]["phases"], **d["phases"]}}
                         for g, d in done.items()}
     result["deployed"] = {g: d["deployed"] for g, d in done.items()}
@@ -448,9 +460,11 @@ def quietly(threads: int | None, fn, *args):
 
 # Measured at E2B and E4B shapes (bench_fullsize's phases): a float fidelity session over convert's
 # graph raised the RSS by 1.7x the graph's weight bytes (E2B: 1,673 MiB for 983 MiB), the quantize
-# phase by up to 2.5x (E2B: 2,425 MiB; E4B: 4.8 GiB for 2.0 GiB)
-FLOAT_SESSION_PER_WEIGHT_BYTE = 1.7
-QUANTIZE_PER_WEIGHT_BYTE = 2.5
+# phase by up to 2.5x (E2B: 2,425 MiB; E4B: 4.8 GiB for 2.0 GiB). Each session now also holds the
+# INT8 weights in fp32 (`hyco.qnn.ort.dequantize_int8_weights`, E2B 165 MB: 0.17x): the E2B phase
+# beside the float passes peaked 354 MiB higher, 5,300 MiB
+FLOAT_SESSION_PER_WEIGHT_BYTE = 1.9
+QUANTIZE_PER_WEIGHT_BYTE = 2.7
 
 
 def side_by_side(convert: Path, graphs: dict[str, str], config: CalibrateConfig) -> dict[str, Any]:
@@ -494,26 +508,33 @@ def input_grids(convert: Path, names: set[str]) -> dict[str, tuple[float, int]]:
     return {n: uint16_grid(*r) for n, r in sorted(ranges.items())}
 
 
-def prepare_and_measure(convert: Path, g: str, tmp: Path, recorded: Path, passes: int,
-                        config: CalibrateConfig) -> dict[str, Any]:
-    """(A worker's job.) convert's graph `g` prepared for the HTP into tmp/<g>.prepared.onnx with
-    its weights on disk (prepare.load_graph: one weight in memory at a time), and its mask
-    statistics over the recorded passes (`measure_masks`)."""
-    from hyco.calibrate.drive import SpilledPasses
+def prepare_graph(job: tuple[Path, str, Path]) -> float:
+    """(A worker's job: convert's folder, the graph, the scratch folder.) convert's graph prepared
+    for the HTP into tmp/<g>.prepared.onnx with its weights on disk (prepare.load_graph: one weight
+    in memory at a time); returns the seconds it took."""
     from hyco.calibrate.prepare import WeightFile, load_graph, prepare_slm, save_streamed
 
-    phases: dict[str, float] = {}
+    convert, g, tmp = job
     start = time.perf_counter()
     path = tmp / f"{g}.prepared.onnx"
     with WeightFile(path) as weights:  # the transposed weights go there as they are made
         prepared = prepare_slm(load_graph(convert / SLM_GRAPHS[g]), convert, weights, name=str(convert / SLM_GRAPHS[g]))
         save_streamed(prepared, convert, path, weights=weights)  # now refers to path's weights
-    phases["prepare_s"] = round(time.perf_counter() - start, 2)
+    return round(time.perf_counter() - start, 2)
+
+
+def measure_prepared(g: str, tmp: Path, recorded: Path, passes: int, config: CalibrateConfig) -> dict[str, Any]:
+    """(A worker's job.) The prepared graph `g`'s mask statistics over the recorded passes
+    (`measure_masks`)."""
+    from hyco.calibrate.drive import SpilledPasses
+    from hyco.calibrate.prepare import load_graph
+
     start = time.perf_counter()
+    prepared = load_graph(tmp / f"{g}.prepared.onnx")
     feeds = [f for f, _ in subsample(SpilledPasses(recorded, passes), config.max_passes, config.seed)]
     stats, ranges = measure_masks(prepared, feeds, tmp, f"{g}_stats")  # its session reads the file's weights
-    phases["mask_statistics_s"] = round(time.perf_counter() - start, 2)
-    return {"mask_stats": stats, "ranges": ranges, "phases": phases}
+    return {"mask_stats": stats, "ranges": ranges,
+            "phases": {"mask_statistics_s": round(time.perf_counter() - start, 2)}}
 
 
 @dataclass(frozen=True)

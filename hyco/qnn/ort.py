@@ -1,7 +1,8 @@
 """onnxruntime CPU sessions on the project's graphs, the one builder every stage uses: graph
 optimisations off (SRQ rounding is sensitive to summation order), INT4 weights multiplied packed
-(`hyco.quant.int4_matmul`), the other weights dequantized just before their MatMul and multiplied
-untransposed; the rewrites here touch only the session's in-memory copy of the graph."""
+(`hyco.quant.int4_matmul`), INT8 weights dequantized once for the session's life, the others just
+before their MatMul and multiplied untransposed; the rewrites here touch only the session's
+in-memory copy of the graph, and the outputs keep onnxruntime's own bits (INT4 aside)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,78 @@ def _matmul_activation(dq, consumers) -> str | None:
             return None
         out = onward[0].output[0]
     return None
+
+
+# fp32 bytes a session may hold in INT8 weights dequantized once (`dequantize_int8_weights`): E2B's
+# per-layer-input projections and gates take 165 MB, E4B's 330 MB
+HELD_FP32_BYTES = 384 * 1024**2
+
+
+def dequantize_int8_weights(model, weights_folder: Path, budget: int = HELD_FP32_BYTES) -> dict[str, np.ndarray]:
+    """Dequantize each 8-bit weight once, for the session's life, instead of on every pass
+    (in place; returns name -> the fp32 array the session must be handed as an initializer).
+    onnxruntime's per-axis DequantizeLinear runs about 100 M elements a second on one core: on
+    an E2B tree pass its 41 M INT8 weights took 0.1-0.2 s. A DQ -> Transpose([1, 0]) pair folds
+    into the transposed array, which is what the Transpose made each pass. numpy computes what
+    the kernel does, float(int - zero) times the scale in fp32, so the values are the same bits.
+    Only DQs whose weight feeds nothing else and no graph output, in graph order while `budget`
+    fp32 bytes hold them; the rest stay with `late_weight_dequant`."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    consumers = graph_consumers(graph)
+    outputs = {o.name for o in graph.output}
+    held: dict[str, np.ndarray] = {}
+    replaced: dict[int, object] = {}
+    spent = 0
+    for node in graph.node:
+        if (node.op_type != "DequantizeLinear" or any(name not in inits for name in node.input)
+                or inits[node.input[0]].data_type not in (TensorProto.INT8, TensorProto.UINT8)
+                or any(a.name == "block_size" and a.i for a in node.attribute)):
+            continue
+        weight = inits[node.input[0]]
+        size = 4 * int(np.prod(weight.dims))
+        if spent + size > budget:
+            continue
+        folded, out = [node], node.output[0]
+        users = consumers.get(out, [])
+        if (len(users) == 1 and users[0].op_type == "Transpose" and out not in outputs
+                and [list(a.ints) for a in users[0].attribute if a.name == "perm"] in ([[1, 0]], [])):
+            folded, out = [node, users[0]], users[0].output[0]
+        if out in outputs:
+            continue
+        ints = numpy_helper.to_array(weight, str(weights_folder)).astype(np.float32)
+        scale = numpy_helper.to_array(inits[node.input[1]], str(weights_folder)).astype(np.float32)
+        zero = (numpy_helper.to_array(inits[node.input[2]], str(weights_folder)).astype(np.float32)
+                if len(node.input) > 2 and node.input[2] else np.float32(0))
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % max(ints.ndim, 1)
+        shape = [1] * ints.ndim
+        if scale.ndim:
+            shape[axis] = -1
+        values = (ints - zero.reshape(shape)) * scale.reshape(shape)
+        if len(folded) == 2:
+            values = np.ascontiguousarray(values.T)
+        # the array reaches its MatMul through an Identity (an alias, no copy): a constant B would be
+        # prepacked by onnxruntime, whose packed product is not the same bits as the unpacked one
+        name = f"{out}/held"
+        held[name] = values
+        placeholder = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=values.shape,
+                                  data_location=TensorProto.EXTERNAL)
+        placeholder.external_data.add(key="location", value="held-by-the-session")
+        graph.initializer.append(placeholder)
+        replaced[id(node)] = helper.make_node("Identity", [name], [out], name=f"{out}/held")
+        replaced.update({id(n): None for n in folded[1:]})
+        spent += size
+    if held:
+        kept = [replaced.get(id(n), n) for n in graph.node]
+        del graph.node[:]
+        graph.node.extend(n for n in kept if n is not None)
+        used = {name for n in graph.node for name in n.input} | outputs
+        kept_inits = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
+    return held
 
 
 WEIGHT_PATH = frozenset({"Transpose", "Reshape", "QuantizeLinear", "DequantizeLinear", "Cast"})
@@ -217,7 +290,8 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     """`ort_session` on a weightless in-memory `model` whose external data lies in
     `weights_folder` (rewritten in place). INT4 weights are multiplied packed by onnxruntime's
     MatMulNBits (`convert.int4_matmul`: the same integers and scales, fp32 compute in another
-    summation order; several times faster on an E2B-shaped tree pass); the other weights are
+    summation order; several times faster on an E2B-shaped tree pass); INT8 weights are
+    dequantized once (`dequantize_int8_weights`: the same bits); the other weights are
     dequantized just before use and multiplied untransposed (`late_weight_dequant`,
     `gemm_for_transposed_weights`: same outputs, one fp32 weight at a time); the graph is handed
     over as bytes (`int4_matmul` False: every weight so, for tests that hold a session to
@@ -233,12 +307,18 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
         so.intra_op_num_threads = 1
     _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul else (0, None)
     restore_opset(model)  # its INT2-block weights multiplied packed: no INT2 left, the graph's own opset
+    held = dequantize_int8_weights(model, fused_folder or weights_folder) if int4_matmul else {}
     late_weight_dequant(model)
     gemm_for_transposed_weights(model)
     so.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                 str(fused_folder or weights_folder))
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in held.values()]
+    if held:  # onnxruntime reads these arrays in place: the session keeps them alive
+        so.add_external_initializers(list(held), values)
     try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
+        session = ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
+        session.hyco_held_weights = (held, values)
+        return session
     finally:
         if fused_folder is not None and not shares_repacks(fused_folder):  # the session has read its weights
             shutil.rmtree(fused_folder)
