@@ -875,6 +875,21 @@ def test_int8_weights_dequantized_once_per_session_give_the_same_bits(tmp_path):
             np.testing.assert_array_equal(got, want)
 
 
+def test_bench_cpu_session_times_both_sessions_and_finds_the_same_bits(converted):
+    """bench/bench_cpu_session.py on the tiny tree graph: it opens the session with INT8 weights
+    held and with them dequantized every pass, times both and says the outputs are the same bits."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "bench_cpu_session.py"), str(converted["out"] / "tree.onnx"),
+                           "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "INT8 weights held in fp32" in done.stdout and "outputs the same bits: True" in done.stdout
+    held = int(done.stdout.split(": ", 1)[1].split(" INT8")[0])
+    assert held > 0
+
+
 def test_late_dequant_never_makes_a_weight_wait_for_its_own_descendant():
     """A MatMul whose activation is computed from the weight itself (here scaled by the
     weight's max) must keep its plain DQ: waiting for that activation would close a cycle
