@@ -833,18 +833,20 @@ def test_int8_weights_dequantized_once_per_session_give_the_same_bits(tmp_path):
     """ort_session holds each INT8 weight dequantized (and a DQ -> Transpose pair transposed) for
     the session's life instead of dequantizing it every pass; the outputs are bit-identical to
     onnxruntime's own session on the graph as written, at 33 rows and at one (MLAS's GEMV case),
-    a weight read by two MatMuls included. Past the fp32 budget a weight stays a per-pass DQ."""
+    a weight read by two MatMuls included. Past the fp32 budget a weight stays a per-pass DQ, and
+    so does a scalar constant (an 8-bit activation grid quantizes those too)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     from hyco.qnn.ort import dequantize_int8_weights, ort_session
 
     rng = np.random.default_rng(5)
-    a = rng.integers(-128, 128, (48, 40)).astype(np.int8)  # [out, in]: transposed for its MatMul
-    b = rng.integers(0, 256, (48, 24)).astype(np.uint8)  # [in, out], a zero point, two readers
-    inits = [numpy_helper.from_array(a, "a.ints"), numpy_helper.from_array((rng.random(48) * 0.05 + 1e-3).astype(np.float32), "a.scale"),
-             numpy_helper.from_array(b, "b.ints"), numpy_helper.from_array((rng.random(24) * 0.05 + 1e-3).astype(np.float32), "b.scale"),
-             numpy_helper.from_array(rng.integers(100, 156, 24).astype(np.uint8), "b.zero")]
+    a = rng.integers(-128, 128, (128, 64)).astype(np.int8)  # [out, in]: transposed for its MatMul
+    b = rng.integers(0, 256, (128, 48)).astype(np.uint8)  # [in, out], a zero point, two readers
+    inits = [numpy_helper.from_array(a, "a.ints"), numpy_helper.from_array((rng.random(128) * 0.05 + 1e-3).astype(np.float32), "a.scale"),
+             numpy_helper.from_array(b, "b.ints"), numpy_helper.from_array((rng.random(48) * 0.05 + 1e-3).astype(np.float32), "b.scale"),
+             numpy_helper.from_array(rng.integers(100, 156, 48).astype(np.uint8), "b.zero"),
+             numpy_helper.from_array(np.array(200, np.uint8), "c.ints"), numpy_helper.from_array(np.array(0.01, np.float32), "c.scale")]
 
     def graph(rows: int) -> onnx.ModelProto:
         nodes = [helper.make_node("DequantizeLinear", ["a.ints", "a.scale"], ["a"], axis=0),
@@ -852,22 +854,26 @@ def test_int8_weights_dequantized_once_per_session_give_the_same_bits(tmp_path):
                  helper.make_node("MatMul", ["x", "at"], ["h"]),
                  helper.make_node("DequantizeLinear", ["b.ints", "b.scale", "b.zero"], ["b"], axis=1),
                  helper.make_node("MatMul", ["h", "b"], ["y"]),
-                 helper.make_node("MatMul", ["h", "b"], ["z"])]
-        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 40])],
+                 helper.make_node("DequantizeLinear", ["c.ints", "c.scale"], ["c"]),
+                 helper.make_node("Mul", ["h", "c"], ["hc"]),
+                 helper.make_node("MatMul", ["hc", "b"], ["z"])]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 64])],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z")], inits)
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
     held = graph(33)
     arrays = dequantize_int8_weights(held, tmp_path)
-    assert sorted(arrays) == ["at/held", "b/held"] and arrays["at/held"].shape == (40, 48)
-    assert [n.op_type for n in held.graph.node] == ["Identity", "MatMul", "Identity", "MatMul", "MatMul"]
-    assert dequantize_int8_weights(graph(33), tmp_path, budget=4 * 48 * 40).keys() == {"at/held"}
+    assert sorted(arrays) == ["at/held", "b/held"] and arrays["at/held"].shape == (64, 128)
+    # the 8-bit scalar (a constant on an 8-bit activation grid) stays a per-pass DQ
+    assert [n.op_type for n in held.graph.node] == ["Identity", "MatMul", "Identity", "MatMul", "DequantizeLinear",
+                                                    "Mul", "MatMul"]
+    assert dequantize_int8_weights(graph(33), tmp_path, budget=4 * 128 * 64).keys() == {"at/held"}
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for rows in (33, 1):
         path = tmp_path / f"rows{rows}.onnx"
         onnx.save(graph(rows), str(path))
-        x = (rng.standard_normal((rows, 40)) * 4).astype(np.float32)
+        x = (rng.standard_normal((rows, 64)) * 4).astype(np.float32)
         plain = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})
         session = ort_session(path)
         assert len(session.hyco_held_weights[0]) == 2

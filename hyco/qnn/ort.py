@@ -112,6 +112,7 @@ def _matmul_activation(dq, consumers) -> str | None:
 # fp32 bytes a session may hold in INT8 weights dequantized once (`dequantize_int8_weights`): E2B's
 # per-layer-input projections and gates take 165 MB, E4B's 330 MB
 HELD_FP32_BYTES = 384 * 1024**2
+HELD_MIN_BYTES = 16 * 1024
 
 
 def dequantize_int8_weights(model, weights_folder: Path, budget: int = HELD_FP32_BYTES) -> dict[str, np.ndarray]:
@@ -121,8 +122,8 @@ def dequantize_int8_weights(model, weights_folder: Path, budget: int = HELD_FP32
     an E2B tree pass its 41 M INT8 weights took 0.1-0.2 s. A DQ -> Transpose([1, 0]) pair folds
     into the transposed array, which is what the Transpose made each pass. numpy computes what
     the kernel does, float(int - zero) times the scale in fp32, so the values are the same bits.
-    Only DQs whose weight feeds nothing else and no graph output, in graph order while `budget`
-    fp32 bytes hold them; the rest stay with `late_weight_dequant`."""
+    Only matrices of `HELD_MIN_BYTES` and more in fp32 whose DQ feeds no graph output, in graph
+    order while `budget` fp32 bytes hold them; the rest stay with `late_weight_dequant`."""
     from onnx import TensorProto, helper, numpy_helper
 
     graph = model.graph
@@ -139,8 +140,8 @@ def dequantize_int8_weights(model, weights_folder: Path, budget: int = HELD_FP32
             continue
         weight = inits[node.input[0]]
         size = 4 * int(np.prod(weight.dims))
-        if spent + size > budget:
-            continue
+        if len(weight.dims) < 2 or size < HELD_MIN_BYTES or spent + size > budget:
+            continue  # a constant of a few values (8-bit activation grids quantize those too) costs nothing a pass
         folded, out = [node], node.output[0]
         users = consumers.get(out, [])
         if (len(users) == 1 and users[0].op_type == "Transpose" and out not in outputs
@@ -157,8 +158,7 @@ def dequantize_int8_weights(model, weights_folder: Path, budget: int = HELD_FP32
         if scale.ndim:
             shape[axis] = -1
         values = (ints - zero.reshape(shape)) * scale.reshape(shape)
-        if len(folded) == 2:
-            values = np.ascontiguousarray(values.T)
+        values = np.ascontiguousarray(values.T if len(folded) == 2 else values, dtype=np.float32)
         # the array reaches its MatMul through an Identity (an alias, no copy): a constant B would be
         # prepacked by onnxruntime, whose packed product is not the same bits as the unpacked one
         name = f"{out}/held"
