@@ -34,7 +34,7 @@ def feeds_for(model, seed: int = 0) -> dict[str, np.ndarray]:
 def main() -> None:
     import onnx
 
-    import hyco.qnn.ort as ort_module
+    from hyco.qnn.ort import session_for
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("graph", type=Path, help="an ONNX graph with its weights beside it")
@@ -45,17 +45,8 @@ def main() -> None:
 
     def session(held: bool):
         start = time.perf_counter()
-        if held:
-            s = ort_module.session_for(onnx.load(str(args.graph), load_external_data=False), args.graph.parent,
-                                       arena=False)
-        else:
-            fold = ort_module.dequantize_int8_weights
-            ort_module.dequantize_int8_weights = lambda *a, **k: {}
-            try:
-                s = ort_module.session_for(onnx.load(str(args.graph), load_external_data=False), args.graph.parent,
-                                           arena=False)
-            finally:
-                ort_module.dequantize_int8_weights = fold
+        s = session_for(onnx.load(str(args.graph), load_external_data=False), args.graph.parent, arena=False,
+                        hold_int8=held)
         return s, time.perf_counter() - start
 
     held, held_open = session(True)

@@ -286,7 +286,8 @@ def session_options(optimize: bool = False, arena: bool = True, priority_order: 
 
 
 def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool = True,
-                providers=("CPUExecutionProvider",), priority_order: bool = False, int4_matmul: bool = True):
+                providers=("CPUExecutionProvider",), priority_order: bool = False, int4_matmul: bool = True,
+                hold_int8: bool = True):
     """`ort_session` on a weightless in-memory `model` whose external data lies in
     `weights_folder` (rewritten in place). INT4 weights are multiplied packed by onnxruntime's
     MatMulNBits (`convert.int4_matmul`: the same integers and scales, fp32 compute in another
@@ -294,7 +295,8 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
     dequantized once (`dequantize_int8_weights`: the same bits); the other weights are
     dequantized just before use and multiplied untransposed (`late_weight_dequant`,
     `gemm_for_transposed_weights`: same outputs, one fp32 weight at a time); the graph is handed
-    over as bytes (`int4_matmul` False: every weight so, for tests that hold a session to
+    over as bytes (`hold_int8` False: INT8 weights dequantized every pass, as a bench compares;
+    `int4_matmul` False: every weight so, for tests that hold a session to
     onnxruntime's own bit for bit). `priority_order`: onnxruntime's
     priority-based node order instead of its default one, which runs side branches that end in a
     graph output (the calibrator's ReduceMin/ReduceMax taps) at the end of the pass, so every
@@ -307,7 +309,7 @@ def session_for(model, weights_folder: Path, optimize: bool = False, arena: bool
         so.intra_op_num_threads = 1
     _, fused_folder = fuse_int4_matmuls(model, weights_folder) if int4_matmul else (0, None)
     restore_opset(model)  # its INT2-block weights multiplied packed: no INT2 left, the graph's own opset
-    held = dequantize_int8_weights(model, fused_folder or weights_folder) if int4_matmul else {}
+    held = dequantize_int8_weights(model, fused_folder or weights_folder) if int4_matmul and hold_int8 else {}
     late_weight_dequant(model)
     gemm_for_transposed_weights(model)
     so.add_session_config_entry("session.model_external_initializers_file_folder_path",
