@@ -62,20 +62,52 @@ def _bytes(t) -> int:
     return int(np.prod(t.dims, dtype=np.int64)) * size
 
 
+def kv_shared_layers(model) -> set[int]:
+    """Layers that attend over another layer's K/V: attention nodes but no k_proj of their own."""
+    attends, projects = set(), set()
+    for node in model.graph.node:
+        named = _LAYER.search(node.name)
+        if named and "/attn/" in node.name:
+            (projects if "/attn/k_proj" in node.name else attends).add(int(named.group(1)))
+    return attends - projects
+
+
 def plan_parts(model, limit: int, at_least: int = 1) -> list[tuple[int, int]]:
-    """Inclusive layer ranges, packed greedily so each part's initializer bytes stay <= limit; with
-    `at_least` > 1, under the smallest limit that packs them into that many parts or fewer (parts
-    compiled side by side finish together when their bytes are even)."""
-    if at_least > 1:
-        low, high = 1, limit  # the greedy packing's part count falls as the limit grows
-        while low < high:
-            mid = (low + high) // 2
-            try:
-                fits = len(plan_parts(model, mid)) <= at_least
-            except HycoError:  # a layer over `mid`
-                fits = False
-            low, high = (low, mid) if fits else (mid + 1, high)
-        limit = low
+    """Inclusive layer ranges, packed greedily so each part's initializer bytes stay <= limit.
+
+    With `at_least` > 1, that many parts or fewer, as even in bytes as packing allows (parts
+    compiled side by side finish together), and a part starts at the first KV-shared layer: the QNN
+    compile's graph sequencing grows far faster than the part where the layers owning K/V sit with
+    the layers reading it (E2B shapes: 10 KV-shared layers compiled in 50 s beside another compile;
+    9 of them with the two owners in 65 s alone; docs/fullsize.md). The parts are shared between
+    the owners' layers and the KV-shared ones so that the largest part is smallest (E2B's three:
+    337 MB, the owners' INT4 layers, where the even plan's largest held 276 MB)."""
+    ordered, per_layer, shared = _layer_bytes(model)
+    if shared >= limit:
+        raise HycoError(f"the weights outside the layers alone hold {shared} bytes, over export.max_context_bytes {limit}")
+    budget = limit - shared  # every part's budget reserves the weights outside the layers
+    for layer in ordered:
+        if per_layer.get(layer, 0) > budget:
+            raise HycoError(f"layer {layer} alone holds {per_layer[layer]} weight bytes (+{shared} shared), over "
+                            f"export.max_context_bytes {limit}")
+    edge = min(kv_shared_layers(model) & set(ordered), default=None) if at_least > 1 else None
+    cut = ordered.index(edge) if edge is not None else 0
+    if at_least <= 1:
+        ranges = _pack(ordered, per_layer, budget)
+    elif not cut:
+        ranges = _pack(ordered, per_layer, _smallest_limit(ordered, per_layer, at_least, budget))
+    else:  # the owners' layers in k parts, the KV-shared ones in the rest: the k whose largest part is smallest
+        segments = [ordered[:cut], ordered[cut:]]
+        best = min(([_smallest_limit(seg, per_layer, n, budget) for seg, n in zip(segments, (k, at_least - k), strict=True)]
+                    for k in range(1, at_least)), key=max)
+        ranges = [r for seg, lim in zip(segments, best, strict=True) for r in _pack(seg, per_layer, lim)]
+    return [(-1, b) if i == 0 else (a, b) for i, (a, b) in enumerate(ranges)]
+
+
+def _layer_bytes(model) -> tuple[list[int], dict[int, int], int]:
+    """(layers in order, weight bytes per layer, bytes of the weights outside every layer). Those
+    outside (embedding-side projections) are recomputed in each part that reads them; their nodes
+    ride with the first layer."""
     layers = node_layers(model)
     sizes = {t.name: _bytes(t) for t in model.graph.initializer}
     per_layer: dict[int, int] = {}
@@ -85,26 +117,32 @@ def plan_parts(model, limit: int, at_least: int = 1) -> list[tuple[int, int]]:
             if x in sizes and x not in owner:
                 owner[x] = layer
                 per_layer[layer] = per_layer.get(layer, 0) + sizes[x]
-    # Weights of nodes outside every layer (embedding-side projections) are recomputed in each part
-    # that reads them, so every part's budget reserves them; those nodes ride with the first layer.
     ordered = sorted(set(layers) - {-1}) or [-1]
     shared = per_layer.pop(-1, 0) if ordered[0] != -1 else 0
-    if shared >= limit:
-        raise HycoError(f"the weights outside the layers alone hold {shared} bytes, over export.max_context_bytes {limit}")
-    limit -= shared
-    parts, start, total, prev = [], ordered[0], 0, ordered[0]
-    for layer in ordered:
+    return ordered, per_layer, shared
+
+
+def _pack(layers: list[int], per_layer: dict[int, int], limit: int) -> list[tuple[int, int]]:
+    """`layers` packed greedily in order, each range's bytes <= limit (no single layer is over it)."""
+    parts, start, total, prev = [], layers[0], 0, layers[0]
+    for layer in layers:
         size = per_layer.get(layer, 0)
-        if size > limit:
-            raise HycoError(f"layer {layer} alone holds {size} weight bytes (+{shared} shared), over "
-                            f"export.max_context_bytes {limit + shared}")
         if total + size > limit and total:
             parts.append((start, prev))
             start, total = layer, 0
         total += size
         prev = layer
     parts.append((start, prev))
-    return [(-1, b) if i == 0 else (a, b) for i, (a, b) in enumerate(parts)]
+    return parts
+
+
+def _smallest_limit(layers: list[int], per_layer: dict[int, int], parts: int, high: int) -> int:
+    """The smallest limit <= high under which `_pack` makes `parts` ranges or fewer (high if none)."""
+    low = max([per_layer.get(layer, 0) for layer in layers] + [1])
+    while low < high:  # the packing's range count falls as the limit grows
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(_pack(layers, per_layer, mid)) <= parts else (mid + 1, high)
+    return low
 
 
 def _spec(model, names: list[str], graph: str, meaning: str, known: dict[str, TensorSpec]) -> tuple[TensorSpec, ...]:

@@ -166,8 +166,8 @@ def compile_graphs(bundle: Path, calibrate: Path, specs: dict[str, GraphSpec], c
             parts = [(source, specs[name])]
         planned[role] = [(g, s, role if len(parts) == 1 else f"{role}.part{i}") for i, (g, s) in enumerate(parts)]
     # The parts holding the KV-shared layers and the head compile slowest (E2B shapes in 3 parts:
-    # 23, 62 and 81 s in layer order; E4B in 4: 54, 60, 68 and 119 s): started first, the workers
-    # end close together, the small MTP step last
+    # 32, 65 and 97 s in layer order, two at a time): started first, the workers end close
+    # together, the small MTP step last
     jobs = [(g, stem) for role, parts in planned.items() if role not in shared for g, _, stem in reversed(parts)]
     at_once = compile_workers(config, [weight_bytes(g) for g, _ in jobs])
     with phase(f"compile {len(jobs)} contexts, {at_once} at once") if phase else contextlib.nullcontext():

@@ -268,6 +268,46 @@ def test_tampered_bundles_fail_smoke_with_one_line_naming_the_file(tiny_export, 
     assert "io_spec.json" in done.stderr and binary in done.stderr and tree["inputs"][0]["name"] in done.stderr
 
 
+def _layered_graph(owners: int, shared: int, floats: int = 100):
+    """A chain of MatMuls named as convert names them: `owners` layers with their own k_proj, then
+    `shared` KV-shared layers (attention, no k_proj), each reading `floats` fp32 weights; a head
+    outside every layer at the end."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, inits = [], []
+    for layer in range(owners + shared):
+        op = f"/layers.{layer}/attn/k_proj/MatMul" if layer < owners else f"/layers.{layer}/attn/MatMul"
+        inits.append(numpy_helper.from_array(np.zeros((1, floats), np.float32), f"w{layer}"))
+        nodes.append(helper.make_node("Mul", [f"x{layer}", f"w{layer}"], [f"x{layer + 1}"], name=op))
+    nodes.append(helper.make_node("Identity", [f"x{owners + shared}"], ["logits"], name="/head/Identity"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [1, floats])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, floats])], inits)
+    return helper.make_model(graph)
+
+
+def test_parts_start_at_the_first_kv_shared_layer_and_share_the_rest_evenly():
+    """compile_parts > 1: one part ends at the last layer owning K/V (its compile is far faster
+    than with the layers reading that K/V beside it), and the parts are shared between owners and
+    KV-shared layers so the largest is smallest; without KV-shared layers, or split only over the
+    limit, the packing is as it was."""
+    from hyco.export.split import kv_shared_layers, plan_parts
+
+    model = _layered_graph(owners=4, shared=6)  # 400 weight bytes a layer
+    assert kv_shared_layers(model) == {4, 5, 6, 7, 8, 9}
+    # owners in one part (1,600 B), the six KV-shared layers in two (1,200 B each); owners in two
+    # and the KV-shared in one would put 2,400 B in one part
+    assert plan_parts(model, 2 * 1024**3, at_least=3) == [(-1, 3), (4, 6), (7, 9)]
+    assert plan_parts(model, 2 * 1024**3, at_least=4) == [(-1, 1), (2, 3), (4, 6), (7, 9)]
+    assert plan_parts(model, 2 * 1024**3, at_least=2) == [(-1, 3), (4, 9)]  # the even plan: 2,000 B each
+    # split only over the limit: greedy under it, the edge not forced (layers 3 and 4 share a part)
+    assert plan_parts(model, 1300, at_least=1) == [(-1, 2), (3, 5), (6, 8), (9, 9)]
+    plain = _layered_graph(owners=8, shared=0)
+    assert kv_shared_layers(plain) == set()
+    assert plan_parts(plain, 2 * 1024**3, at_least=2) == [(-1, 3), (4, 7)]
+    with pytest.raises(HycoError, match="layer 0 alone holds 400 weight bytes"):
+        plan_parts(model, 399, at_least=3)
+
+
 @pytest.mark.slow
 def test_splitter_on_tiny_tree_with_a_tiny_limit(tiny_calibrated, tmp_path):
     """Parts by layer ranges, each under the limit, chained on CPU equal the whole graph exactly;

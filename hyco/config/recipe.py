@@ -332,7 +332,9 @@ class ExportConfig:
     # 32, 1.17x / 1.14x for 64, 1.11x / 1.08x for 128, INT4 containers 2.06x / 2.02x; compiles
     # 0.5-1.0 s each. 64: the smallest binary of the sizes the platform notes measured (16, 32, 64),
     # and it divides every 2-bit weight's input dim of E2B (1,536, 12,288) and the tiny family (64,
-    # 256); larger blocks measured smaller still (all of K: 1.06x / 1.02x) on the simulator only
+    # 256); larger blocks measured smaller still (all of K: 1.06x / 1.02x) on the simulator only.
+    # The E2B recipes take 1,536: E2B's tree binary 812 -> 776 MB, its 2-bit parts compile in 0.84-0.92
+    # of the time (docs/fullsize.md); the auto probe checks the block size it is given on the simulator
     int2_block_size: int = 64
     # What the phone should hold, in decimal bytes (bundle.json's footprint compares each): the
     # paper's Table 3 for E2B and the 26B-A4B head; another model's recipe states its own, and
