@@ -80,8 +80,8 @@ def plan_parts(model, limit: int, at_least: int = 1) -> list[tuple[int, int]]:
     compile's graph sequencing grows far faster than the part where the layers owning K/V sit with
     the layers reading it (E2B shapes: 10 KV-shared layers compiled in 50 s beside another compile;
     9 of them with the two owners in 65 s alone; docs/fullsize.md). The parts are shared between
-    the owners' layers and the KV-shared ones so that the largest part is smallest (E2B's three:
-    337 MB, the owners' INT4 layers, where the even plan's largest held 276 MB)."""
+    the owners' layers and the KV-shared ones so that the largest part is smallest (E2B's three
+    hold 303, 203 and 237 MB of weights, the first the owners' INT4 layers)."""
     ordered, per_layer, shared = _layer_bytes(model)
     if shared >= limit:
         raise HycoError(f"the weights outside the layers alone hold {shared} bytes, over export.max_context_bytes {limit}")
@@ -90,16 +90,15 @@ def plan_parts(model, limit: int, at_least: int = 1) -> list[tuple[int, int]]:
         if per_layer.get(layer, 0) > budget:
             raise HycoError(f"layer {layer} alone holds {per_layer[layer]} weight bytes (+{shared} shared), over "
                             f"export.max_context_bytes {limit}")
-    edge = min(kv_shared_layers(model) & set(ordered), default=None) if at_least > 1 else None
-    cut = ordered.index(edge) if edge is not None else 0
     if at_least <= 1:
         ranges = _pack(ordered, per_layer, budget)
-    elif not cut:
-        ranges = _pack(ordered, per_layer, _smallest_limit(ordered, per_layer, at_least, budget))
     else:  # the owners' layers in k parts, the KV-shared ones in the rest: the k whose largest part is smallest
-        segments = [ordered[:cut], ordered[cut:]]
-        best = min(([_smallest_limit(seg, per_layer, n, budget) for seg, n in zip(segments, (k, at_least - k), strict=True)]
-                    for k in range(1, at_least)), key=max)
+        first_shared = min(kv_shared_layers(model) & set(ordered), default=None)
+        cut = ordered.index(first_shared) if first_shared is not None else 0
+        segments = [ordered[:cut], ordered[cut:]] if cut else [ordered]
+        counts = [(k, at_least - k) for k in range(1, at_least)] if cut else [(at_least,)]
+        best = min(([_smallest_limit(seg, per_layer, n, budget) for seg, n in zip(segments, ks, strict=True)]
+                    for ks in counts), key=max)
         ranges = [r for seg, lim in zip(segments, best, strict=True) for r in _pack(seg, per_layer, lim)]
     return [(-1, b) if i == 0 else (a, b) for i, (a, b) in enumerate(ranges)]
 
